@@ -1,0 +1,1 @@
+"""specjax: exact speculative decoding in JAX."""

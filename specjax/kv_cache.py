@@ -1,0 +1,106 @@
+"""The KV cache: a static buffer plus a logical length per row.
+
+Row b holds its committed tokens in slots `0 .. lengths[b]-1`. Everything past `lengths[b]`
+is stale: never cleared, never attended. Rolling back a rejected draft is therefore nothing but
+not advancing `lengths` over it; `write` puts a verified block at each row's own offset,
+`compact` gathers an accepted tree path into contiguous slots, and `commit` advances the length.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+
+@struct.dataclass
+class KVCache:
+    k: jax.Array  # [L, B, S, Hkv, D]
+    v: jax.Array  # [L, B, S, Hkv, D]
+    lengths: jax.Array  # [B] int32, committed tokens per row
+
+    @classmethod
+    def init(
+        cls,
+        num_layers: int,
+        batch_size: int,
+        max_len: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype=jnp.float32,
+    ) -> KVCache:
+        shape = (num_layers, batch_size, max_len, num_kv_heads, head_dim)
+        return cls(
+            k=jnp.zeros(shape, dtype),
+            v=jnp.zeros(shape, dtype),
+            lengths=jnp.zeros((batch_size,), jnp.int32),
+        )
+
+    @property
+    def max_len(self) -> int:
+        return self.k.shape[2]
+
+    @property
+    def batch_size(self) -> int:
+        return self.k.shape[1]
+
+
+def _scatter_rows(buffer: jax.Array, block: jax.Array, offsets: jax.Array) -> jax.Array:
+    """buffer [L, B, S, ...] <- block [L, B, T, ...] at slots offsets[b] + t (out of range: dropped)."""
+    num_new = block.shape[2]
+    slots = offsets[:, None] + jnp.arange(num_new)[None, :]  # [B, T]
+    rows = jnp.arange(buffer.shape[1])[:, None]  # [B, 1]
+    return buffer.at[:, rows, slots].set(block, mode="drop")
+
+
+def write(cache: KVCache, k_block: jax.Array, v_block: jax.Array) -> KVCache:
+    """Store a block of new entries at each row's own offset `lengths[b]`; lengths unchanged.
+
+    k_block, v_block: [L, B, T, Hkv, D]. Slots past the buffer are dropped; callers keep
+    `lengths + T <= max_len` (the engine checks it before decoding starts).
+    """
+    return cache.replace(
+        k=_scatter_rows(cache.k, k_block.astype(cache.k.dtype), cache.lengths),
+        v=_scatter_rows(cache.v, v_block.astype(cache.v.dtype), cache.lengths),
+    )
+
+
+def compact(cache: KVCache, path: jax.Array) -> KVCache:
+    """Gather an accepted tree path into contiguous slots.
+
+    path: [B, P] node indices of the block written at `lengths[b]` (path[b, 0] = 0, the root).
+    Slot `lengths[b] + path[b, i]` moves to slot `lengths[b] + i`. Entries of the path past the
+    accepted length land past the new length and are stale, so any valid index may pad it.
+    """
+    src = cache.lengths[:, None] + path  # [B, P]
+    rows = jnp.arange(cache.batch_size)[:, None]  # [B, 1]
+    gather = lambda buf: buf[:, rows, jnp.minimum(src, cache.max_len - 1)]  # [L, B, P, ...]
+    return cache.replace(
+        k=_scatter_rows(cache.k, gather(cache.k), cache.lengths),
+        v=_scatter_rows(cache.v, gather(cache.v), cache.lengths),
+    )
+
+
+def commit(cache: KVCache, num_new: jax.Array) -> KVCache:
+    """Advance each row's logical length by num_new [B]: the whole of accept and rollback."""
+    return cache.replace(lengths=cache.lengths + num_new.astype(jnp.int32))
+
+
+def attention_mask(lengths: jax.Array, block_mask: jax.Array, max_len: int) -> jax.Array:
+    """Which cache slots each query of a new block may attend once the block is written.
+
+    lengths:    [B] committed tokens per row (the block starts at slot lengths[b]).
+    block_mask: [B, T, T] or [T, T] bool, query t may see block entry u.
+    Returns [B, T, max_len] bool: the committed prefix plus the block mask at the row's offset.
+    Stale slots (past lengths[b] and outside the block) are never visible.
+    """
+    num_queries = block_mask.shape[-1]
+    block_mask = jnp.broadcast_to(block_mask, (lengths.shape[0], num_queries, num_queries))
+    slots = jnp.arange(max_len)  # [S]
+    prefix = slots[None, None, :] < lengths[:, None, None]  # [B, 1, S]
+    block_index = slots[None, :] - lengths[:, None]  # [B, S]
+    in_block = (block_index >= 0) & (block_index < num_queries)  # [B, S]
+    gathered = jnp.take_along_axis(
+        block_mask, jnp.clip(block_index, 0, num_queries - 1)[:, None, :].repeat(num_queries, 1), axis=2
+    )  # [B, T, S]
+    return prefix | (in_block[:, None, :] & gathered)

@@ -1,0 +1,77 @@
+"""Draft-tree topology as arrays with static shapes.
+
+A tree has N = T + 1 nodes per row. Node 0 is the root: the pending token, already sampled,
+not yet in the KV cache. Nodes are in topological order (`parents[b, i] < i`), and siblings
+appear in draft-score order (a lower index is tried first by the verifier). A chain is the
+tree whose node i has parent i - 1.
+
+The topology is per row (EAGLE-2 builds a different tree for every row and step), but its
+sizes (nodes, depth) are Python ints fixed per compilation.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import struct
+
+
+@struct.dataclass
+class Tree:
+    parents: jax.Array  # [B, N] int32; parents[:, 0] = -1
+    depths: jax.Array  # [B, N] int32; depths[:, 0] = 0
+    max_depth: int = struct.field(pytree_node=False)  # deepest node's depth (static)
+
+    @property
+    def num_nodes(self) -> int:
+        return self.parents.shape[-1]
+
+    def ancestor_mask(self) -> jax.Array:
+        """[B, N, N] bool: node i may attend to node j iff j is i or one of its ancestors."""
+        return ancestor_mask(self.parents, self.max_depth)
+
+
+def ancestor_mask(parents: jax.Array, max_depth: int) -> jax.Array:
+    """[B, N] parents -> [B, N, N] ancestor-or-self mask, by max_depth pointer-doubling-free hops."""
+    num_nodes = parents.shape[-1]
+    nodes = jnp.arange(num_nodes)
+    mask = jnp.broadcast_to(nodes[:, None] == nodes[None, :], parents.shape + (num_nodes,))
+    ancestor = jnp.broadcast_to(nodes, parents.shape)  # [B, N], walks up one level per hop
+    for _ in range(max_depth):
+        ancestor = jnp.where(ancestor > 0, jnp.take_along_axis(parents, jnp.maximum(ancestor, 0), -1), 0)
+        mask = mask | (ancestor[..., :, None] == nodes)
+    return mask
+
+
+def chain(batch_size: int, num_draft: int) -> Tree:
+    """A chain of num_draft drafted tokens below the root."""
+    parents = np.arange(-1, num_draft, dtype=np.int32)
+    return Tree(
+        parents=jnp.broadcast_to(jnp.asarray(parents), (batch_size, num_draft + 1)),
+        depths=jnp.broadcast_to(jnp.arange(num_draft + 1, dtype=jnp.int32), (batch_size, num_draft + 1)),
+        max_depth=num_draft,
+    )
+
+
+def from_branching(batch_size: int, branching: list[int]) -> Tree:
+    """A full static tree: every node at depth d has branching[d] children, listed breadth-first.
+
+    from_branching(B, [2, 2, 2]) has 2 + 4 + 8 = 14 drafted nodes and 8 root-to-leaf paths.
+    """
+    parents, depths, level = [-1], [0], [0]
+    for depth, fanout in enumerate(branching, start=1):
+        next_level = []
+        for parent in level:
+            for _ in range(fanout):
+                next_level.append(len(parents))
+                parents.append(parent)
+                depths.append(depth)
+        level = next_level
+    parents_np = np.asarray(parents, np.int32)
+    depths_np = np.asarray(depths, np.int32)
+    return Tree(
+        parents=jnp.broadcast_to(jnp.asarray(parents_np), (batch_size, len(parents))),
+        depths=jnp.broadcast_to(jnp.asarray(depths_np), (batch_size, len(parents))),
+        max_depth=len(branching),
+    )
