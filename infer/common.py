@@ -1,0 +1,89 @@
+"""Options and loading shared by the infer/ command lines."""
+
+from __future__ import annotations
+
+import argparse
+
+import jax.numpy as jnp
+import numpy as np
+
+from specjax import checkpoints
+from specjax.drafters.base import Drafter
+from specjax.engine import Stats
+from specjax.models.config import ModelConfig
+from specjax.tokenizer import Tokenizer
+
+METHODS = ("ar", "ngram", "draft", "eagle3")
+DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+
+
+def parse_tree(text: str) -> tuple[int, int, int]:
+    """'D,K,T' -> (depth, top_k, nodes)."""
+    try:
+        depth, top_k, nodes = (int(part) for part in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--tree takes DEPTH,TOPK,NODES (e.g. 5,8,32), got {text!r}") from None
+    if min(depth, top_k, nodes) < 1 or nodes > top_k + (depth - 1) * top_k**2:
+        raise argparse.ArgumentTypeError(
+            f"--tree {text}: need positive values and NODES <= TOPK + (DEPTH-1)*TOPK^2 (the candidate pool)"
+        )
+    return depth, top_k, nodes
+
+
+def add_model_args(parser: argparse.ArgumentParser) -> None:
+    model = parser.add_argument_group("model")
+    model.add_argument("--model", default=None, help="HF directory or .gguf file (default: embedded SmolLM2-135M-Instruct)")
+    model.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
+    model.add_argument("--max-len", type=int, default=1024, help="KV cache slots per row")
+    spec = parser.add_argument_group("speculation")
+    spec.add_argument("--method", choices=METHODS, default="ar")
+    spec.add_argument("--num-spec", type=int, default=5, help="drafted tokens per step (chain)")
+    spec.add_argument("--tree", type=parse_tree, default=None, help="EAGLE-2 dynamic tree DEPTH,TOPK,NODES (eagle3)")
+    spec.add_argument("--draft", default=None, help="draft model (HF dir / .gguf) or EAGLE-3 draft directory")
+
+
+def load_target(args: argparse.Namespace) -> tuple[ModelConfig, dict, Tokenizer]:
+    path = args.model or checkpoints.default_model_path()
+    config, params = checkpoints.load_model(path, DTYPES[args.dtype])
+    return config, params, Tokenizer.load(path)
+
+
+def build_drafter(args: argparse.Namespace, config: ModelConfig, params) -> Drafter | None:
+    """The drafter named by --method, with its parameters."""
+    if args.method == "ar":
+        return None
+    if args.method == "ngram":
+        from specjax.drafters.ngram import NgramDrafter
+
+        return NgramDrafter(num_draft=args.num_spec)
+    if args.method == "draft":
+        from specjax.drafters.draft_model import DraftModelDrafter
+
+        if args.draft is None:
+            raise ValueError("--method draft needs --draft PATH (a small model sharing the target's tokenizer)")
+        draft_config, draft_params = checkpoints.load_model(args.draft, DTYPES[args.dtype])
+        return DraftModelDrafter(draft_config, draft_params, num_draft=args.num_spec)
+    from specjax.checkpoints.eagle3 import load_eagle3
+    from specjax.drafters.eagle3 import Eagle3Drafter, default_draft_path
+
+    head_config, head_params, vocab = load_eagle3(
+        args.draft or default_draft_path(), target_vocab_size=config.vocab_size, dtype=DTYPES[args.dtype]
+    )
+    depth, top_k, nodes = args.tree or (args.num_spec, 1, args.num_spec)
+    return Eagle3Drafter(head_config, head_params, vocab, config, params, depth=depth, top_k=top_k, tree_nodes=nodes)
+
+
+def method_summary(args: argparse.Namespace, stats: Stats) -> str:
+    """The closing lines: timings and speculation statistics."""
+    tokens = stats.num_generated
+    lines = [
+        f"[{args.method}] prefill {stats.prefill_s * 1e3:.0f} ms | decode {tokens} tokens in "
+        f"{stats.decode_s:.2f} s = {stats.decode_tokens_per_s:.1f} tokens/s | {len(stats.tokens)} row(s)"
+    ]
+    if args.method != "ar":
+        per_position = " ".join(f"{a:.2f}" for a in stats.acceptance_by_position)
+        lines.append(
+            f"tau {stats.tau:.2f} tokens/verifier call | {int(np.sum(stats.calls))} calls | "
+            f"acceptance by position: {per_position}"
+        )
+    return "\n".join(lines)

@@ -1,0 +1,107 @@
+"""An independent small draft model that shares the target's tokenizer.
+
+Drafts are *sampled* from the draft's processed distribution p (the same SamplingParams as the
+target), so verification uses the Leviathan rule with exactly that p. The draft keeps its own KV
+cache in step with the target: after every commit both hold the same committed tokens.
+
+Invariant at `propose`: the draft cache has valid entries for positions `0 .. lengths-2`. The
+entry at `lengths-1` may be missing (the last drafted token is never fed to the draft when
+every draft is accepted), so each proposal starts by feeding the 2-token block
+[last committed, pending]; recomputing an entry that already exists writes the same values.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from specjax import kv_cache as kv
+from specjax import sampling as sampling_lib
+from specjax import tree as tree_lib
+from specjax.drafters.base import Drafter, PrefillChunk, Proposal, StepContext
+from specjax.models import llama
+from specjax.models.config import ModelConfig
+
+
+class DraftModelDrafter(Drafter):
+    """Chain of `num_draft` tokens sampled from a small Llama-family model."""
+
+    def __init__(self, config: ModelConfig, params, num_draft: int = 4, chunk_size: int = 256):
+        if num_draft < 1:
+            raise ValueError(f"num_draft must be >= 1, got {num_draft}")
+        self.config, self.params, self.num_draft, self.chunk_size = config, params, num_draft, chunk_size
+
+    @property
+    def num_nodes(self) -> int:
+        return self.num_draft + 1
+
+    @property
+    def max_depth(self) -> int:
+        return self.num_draft
+
+    @property
+    def method_key(self) -> tuple:
+        return super().method_key + (self.config,)
+
+    def check_target(self, target_config: ModelConfig) -> None:
+        if target_config.vocab_size != self.config.vocab_size:
+            raise ValueError(
+                f"draft model vocabulary ({self.config.vocab_size} tokens) does not match the "
+                f"target's ({target_config.vocab_size}); a draft model must share the target tokenizer"
+            )
+
+    def init_state(self, batch_size: int, max_len: int) -> kv.KVCache:
+        c = self.config
+        return kv.KVCache.init(
+            c.num_layers, batch_size, max_len, c.num_kv_heads, c.head_dim, self.params["embed_tokens"].dtype
+        )
+
+    def _forward(self, params, cache: kv.KVCache, tokens, positions, block_mask):
+        out = llama.forward(
+            params, self.config, tokens, positions, cache, block_mask, chunk_size=self.chunk_size
+        )
+        return out.logits, kv.write(cache, out.k, out.v)
+
+    def prefill(self, params, cache: kv.KVCache, chunk: PrefillChunk) -> kv.KVCache:
+        size = chunk.tokens.shape[1]
+        causal = jnp.tril(jnp.ones((size, size), bool))
+        _, cache = self._forward(params, cache, chunk.tokens, chunk.positions, causal)
+        return kv.commit(cache, chunk.num_valid)
+
+    def propose(self, params, cache: kv.KVCache, key, ctx: StepContext, sampling: SamplingParams):
+        batch = ctx.pending.shape[0]
+        rows = jnp.arange(batch)
+        last_committed = ctx.history[rows, jnp.maximum(ctx.lengths - 1, 0)]
+        start = jnp.maximum(ctx.lengths - 1, 0)
+        cache = cache.replace(lengths=start)
+        block = jnp.stack([last_committed, ctx.pending], axis=1)  # [B, 2]
+        positions = start[:, None] + jnp.arange(2)[None, :]
+        logits, cache = self._forward(params, cache, block, positions, jnp.tril(jnp.ones((2, 2), bool)))
+        cache = kv.commit(cache, ctx.lengths + 1 - start)  # now lengths + 1: through the pending token
+        probs = sampling_lib.probs(logits[:, -1], sampling)  # [B, V]
+
+        def draft_one(carry, step_key):
+            cache, probs = carry
+            token = sampling_lib.sample(step_key, probs)  # [B]
+            logits, cache = self._forward(params, cache, token[:, None], cache.lengths[:, None], jnp.ones((1, 1), bool))
+            cache = kv.commit(cache, jnp.ones_like(cache.lengths))
+            return (cache, sampling_lib.probs(logits[:, 0], sampling)), (token, probs)
+
+        keys = jax.random.split(key, self.num_draft)
+        # The last draft needs no forward of its own; scan over num_draft - 1 and sample it after.
+        (cache, last_probs), (tokens, probs_seq) = jax.lax.scan(draft_one, (cache, probs), keys[:-1])
+        last_token = sampling_lib.sample(keys[-1], last_probs)
+        drafts = jnp.concatenate([tokens.T, last_token[:, None]], axis=1)  # [B, N]
+        draft_probs = jnp.concatenate([jnp.swapaxes(probs_seq, 0, 1), last_probs[:, None]], axis=1)  # [B, N, V]
+        proposal = Proposal(
+            tree=tree_lib.chain(batch, self.num_draft),
+            tokens=jnp.concatenate([ctx.pending[:, None], drafts], axis=1),
+            draft_probs=draft_probs,
+        )
+        return cache.replace(lengths=ctx.lengths), proposal
+
+    def update(self, params, cache: kv.KVCache, ctx, proposal, verdict, features) -> kv.KVCache:
+        # Entries for the pending token and accepted drafts were written while drafting;
+        # the commit is the same per-row length update the target gets.
+        accepted = jnp.where(ctx.active, verdict.accepted + 1, 0)
+        return cache.replace(lengths=ctx.lengths + accepted)

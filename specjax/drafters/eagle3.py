@@ -1,0 +1,228 @@
+"""EAGLE-3 drafting: a chain, or an EAGLE-2 dynamic tree, from the trained draft head.
+
+The head's cache entry at position t reads (target features f_t, the token at t + 1) and its
+output predicts the token at t + 2. After every verification the head first re-reads the
+accepted path with the target's true features (the target just computed them), then drafts.
+
+EAGLE-2 tree (depth D, top-k K, T nodes): level 1 takes the K most likely tokens; each level
+expands the K best nodes of the level above (by cumulative draft log-probability) into K
+children each, so the candidate pool has K + (D - 1) K^2 nodes; the best T of the pool are
+kept, in pool order (parents before children, siblings by score), and verified with the
+point-mass tree rule. K = 1 gives a greedy chain of D tokens.
+"""
+
+from __future__ import annotations
+
+import importlib.resources
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+from specjax import kv_cache as kv
+from specjax.drafters.base import Drafter, PrefillChunk, Proposal, StepContext
+from specjax.models import eagle3, llama
+from specjax.models.config import ModelConfig
+from specjax.tree import Tree, ancestor_mask
+
+
+def default_draft_path() -> Path:
+    """The shipped SmolLM2-135M-Instruct EAGLE-3 draft."""
+    path = Path(__file__).resolve().parents[2] / "drafts" / "smollm2-135m-eagle3"
+    if not (path / "config.json").exists():
+        raise ValueError(f"no default EAGLE-3 draft at {path}; pass --draft PATH")
+    return path
+
+
+@struct.dataclass
+class Eagle3State:
+    cache: kv.KVCache  # the head's 1-layer cache; lengths trail the target's until `propose` reads
+    features: jax.Array  # [B, D + 1, F] target features of entries still to read
+    next_tokens: jax.Array  # [B, D + 1] token after each such entry (the last one is the pending token)
+    num_unread: jax.Array  # [B] entries to read at the next proposal
+
+
+class Eagle3Drafter(Drafter):
+    def __init__(
+        self,
+        head_config: eagle3.Eagle3Config,
+        head_params,
+        vocab: eagle3.DraftVocab,
+        target_config: ModelConfig,
+        target_params,
+        *,
+        depth: int = 5,
+        top_k: int = 1,
+        tree_nodes: int | None = None,
+        chunk_size: int = 256,
+    ):
+        tree_nodes = depth if tree_nodes is None else tree_nodes
+        pool = top_k + (depth - 1) * top_k**2
+        if min(depth, top_k, tree_nodes) < 1 or tree_nodes > pool:
+            raise ValueError(f"tree needs depth, top_k, nodes >= 1 and nodes <= pool size {pool}; got {depth}, {top_k}, {tree_nodes}")
+        self.head_config, self.target_config = head_config, target_config
+        self.depth, self.top_k, self.tree_nodes, self.chunk_size = depth, top_k, tree_nodes, chunk_size
+        self.feature_layers = target_config.feature_layers()
+        self.params = {"head": head_params, "d2t": vocab.d2t, "target": target_params}
+        self.check_target(target_config)
+
+    @property
+    def num_nodes(self) -> int:
+        return self.tree_nodes + 1
+
+    @property
+    def max_depth(self) -> int:
+        return self.depth
+
+    @property
+    def method_key(self) -> tuple:
+        return super().method_key + (self.top_k, self.head_config)
+
+    def check_target(self, target_config: ModelConfig) -> None:
+        head = self.head_config
+        if head.target_vocab_size != target_config.vocab_size:
+            raise ValueError(
+                f"EAGLE-3 draft was trained for a vocabulary of {head.target_vocab_size} tokens, "
+                f"the target has {target_config.vocab_size}"
+            )
+        if head.hidden_size != target_config.hidden_size:
+            raise ValueError(
+                f"EAGLE-3 draft hidden size {head.hidden_size} does not match the target's {target_config.hidden_size}"
+            )
+
+    def init_state(self, batch_size: int, max_len: int) -> Eagle3State:
+        c = self.head_config
+        width = self.depth + 1
+        return Eagle3State(
+            cache=kv.KVCache.init(1, batch_size, max_len, c.num_kv_heads, c.head_dim, self.params["head"]["fc"].dtype),
+            features=jnp.zeros((batch_size, width, 3 * c.hidden_size), jnp.float32),
+            next_tokens=jnp.zeros((batch_size, width), jnp.int32),
+            num_unread=jnp.zeros((batch_size,), jnp.int32),
+        )
+
+    def _head(self, params, cache, tokens, hidden, positions, block_mask):
+        """One head forward over a block; tokens are target ids, hidden is h ([B, T, H])."""
+        embeddings = llama.embed(params["target"], tokens)
+        return eagle3.forward(
+            params["head"], self.head_config, embeddings, hidden, positions, cache, block_mask, chunk_size=self.chunk_size
+        )
+
+    def _read(self, params, cache, features, next_tokens, count):
+        """Read `count[b]` entries (features [B, W, F], next_tokens [B, W]) at the cache's lengths.
+
+        Returns the cache with them committed, and the head output at the last entry read.
+        """
+        width = features.shape[1]
+        positions = cache.lengths[:, None] + jnp.arange(width)[None, :]
+        hidden = eagle3.project_features(params["head"], features.astype(params["head"]["fc"].dtype))
+        out = self._head(params, cache, next_tokens, hidden, positions, jnp.tril(jnp.ones((width, width), bool)))
+        cache = kv.commit(kv.write(cache, out.k, out.v), count)
+        last = jnp.maximum(count - 1, 0)[:, None, None]
+        return cache, jnp.take_along_axis(out.hidden, last, 1)[:, 0], jnp.take_along_axis(out.logits, last, 1)[:, 0]
+
+    def prefill(self, params, state: Eagle3State, chunk: PrefillChunk) -> Eagle3State:
+        # Entry t needs the token at t + 1, so the prompt's last entry waits for the first sample.
+        readable = jnp.clip(chunk.prompt_lengths - 1 - chunk.start, 0, chunk.num_valid)  # [B]
+        cache, _, _ = self._read(params, state.cache, chunk.features, chunk.next_tokens, readable)
+        last_index = chunk.prompt_lengths - 1 - chunk.start  # [B]
+        holds_last = (chunk.num_valid > 0) & (last_index < chunk.num_valid)
+        last_feature = jnp.take_along_axis(chunk.features, jnp.maximum(last_index, 0)[:, None, None], 1)[:, 0]
+        return state.replace(
+            cache=cache,
+            features=state.features.at[:, 0].set(jnp.where(holds_last[:, None], last_feature, state.features[:, 0])),
+            num_unread=jnp.where(holds_last, 1, state.num_unread),
+        )
+
+    def propose(self, params, state: Eagle3State, key, ctx: StepContext, sampling):
+        batch = ctx.pending.shape[0]
+        width = self.depth + 1
+        # The newest entry's next token is the pending token.
+        slot = jnp.arange(width)[None, :]
+        next_tokens = jnp.where(slot == state.num_unread[:, None] - 1, ctx.pending[:, None], state.next_tokens)
+        cache, hidden, logits = self._read(params, state.cache, state.features, next_tokens, state.num_unread)
+
+        k = self.top_k
+        # Pool of candidates, level by level: draft ids, parent pool index (-1: root), score, depth.
+        scores, ids = jax.lax.top_k(jax.nn.log_softmax(logits, -1), k)  # [B, K]
+        pool_ids, pool_scores = [ids], [scores]
+        pool_parents = [jnp.full((batch, k), -1, jnp.int32)]
+        pool_depths = [jnp.ones((batch, k), jnp.int32)]
+        frontier = jnp.broadcast_to(jnp.arange(k), (batch, k))  # pool indices of the level's best K
+        # Nodes fed to the head so far (frontiers of levels 1 ..): target ids, h inputs, parents.
+        fed_tokens = jnp.zeros((batch, 0), jnp.int32)
+        fed_hidden = jnp.zeros((batch, 0, hidden.shape[-1]), hidden.dtype)
+        fed_parents = jnp.zeros((batch, 0), jnp.int32)  # index into fed nodes, -1: the last read entry
+        fed_depths = jnp.zeros((batch, 0), jnp.int32)
+        frontier_fed_parent = jnp.full((batch, k), -1, jnp.int32)  # fed index of each frontier node's parent
+        frontier_hidden = jnp.broadcast_to(hidden[:, None], (batch, k, hidden.shape[-1]))
+        d2t = params["d2t"]
+        for level in range(1, self.depth):
+            all_ids = jnp.concatenate(pool_ids, 1)
+            all_scores = jnp.concatenate(pool_scores, 1)
+            frontier_ids = jnp.take_along_axis(all_ids, frontier, 1)  # [B, K]
+            offset = fed_tokens.shape[1]
+            fed_tokens = jnp.concatenate([fed_tokens, eagle3.draft_to_target(frontier_ids, d2t)], 1)
+            fed_hidden = jnp.concatenate([fed_hidden, frontier_hidden], 1)
+            fed_parents = jnp.concatenate([fed_parents, frontier_fed_parent], 1)
+            fed_depths = jnp.concatenate([fed_depths, jnp.full((batch, k), level, jnp.int32)], 1)
+            # Each fed node sees the committed prefix, its fed ancestors and itself.
+            mask = _fed_mask(fed_parents, level)
+            positions = cache.lengths[:, None] + fed_depths - 1
+            out = self._head(params, cache, fed_tokens, fed_hidden, positions, mask)
+            level_logits = out.logits[:, offset:]  # [B, K, Vd]
+            child_scores, child_ids = jax.lax.top_k(jax.nn.log_softmax(level_logits, -1), k)  # [B, K, K]
+            parent_scores = jnp.take_along_axis(all_scores, frontier, 1)  # [B, K]
+            child_scores = (parent_scores[:, :, None] + child_scores).reshape(batch, k * k)
+            pool_ids.append(child_ids.reshape(batch, k * k))
+            pool_scores.append(child_scores)
+            pool_parents.append(jnp.repeat(frontier, k, axis=1))
+            pool_depths.append(jnp.full((batch, k * k), level + 1, jnp.int32))
+            # Next frontier: the K best children; their h input is their parent's head output.
+            _, best = jax.lax.top_k(child_scores, k)  # [B, K] index among this level's children
+            level_start = sum(p.shape[1] for p in pool_ids[:-1])
+            frontier = level_start + best
+            frontier_fed_parent = offset + best // k
+            frontier_hidden = jnp.take_along_axis(out.hidden[:, offset:], (best // k)[:, :, None], 1)
+
+        ids = jnp.concatenate(pool_ids, 1)  # [B, P]
+        scores = jnp.concatenate(pool_scores, 1)
+        parents = jnp.concatenate(pool_parents, 1)
+        depths = jnp.concatenate(pool_depths, 1)
+        pool_size = ids.shape[1]
+        # Best T; ties go to the earlier (parent-first) pool entry so the kept set stays a tree.
+        tie_break = jnp.arange(pool_size, dtype=jnp.float32) * 1e-6
+        _, kept = jax.lax.top_k(scores - tie_break, self.tree_nodes)
+        kept = jnp.sort(kept, axis=1)  # [B, T] pool order = topological, siblings by score
+        node_of_pool = jnp.zeros((batch, pool_size), jnp.int32).at[jnp.arange(batch)[:, None], kept].set(
+            jnp.arange(1, self.tree_nodes + 1)
+        )
+        kept_parents = jnp.take_along_axis(parents, kept, 1)
+        node_parents = jnp.where(kept_parents < 0, 0, jnp.take_along_axis(node_of_pool, jnp.maximum(kept_parents, 0), 1))
+        tree = Tree(
+            parents=jnp.concatenate([jnp.full((batch, 1), -1, jnp.int32), node_parents], 1),
+            depths=jnp.concatenate([jnp.zeros((batch, 1), jnp.int32), jnp.take_along_axis(depths, kept, 1)], 1),
+            max_depth=self.depth,
+        )
+        tokens = eagle3.draft_to_target(jnp.take_along_axis(ids, kept, 1), params["d2t"])
+        proposal = Proposal(tree=tree, tokens=jnp.concatenate([ctx.pending[:, None], tokens], 1))
+        return state.replace(cache=cache), proposal
+
+    def update(self, params, state: Eagle3State, ctx: StepContext, proposal: Proposal, verdict, features):
+        path = verdict.path  # [B, D + 1]
+        path_tokens = jnp.take_along_axis(proposal.tokens, path, 1)  # [B, D + 1]
+        return state.replace(
+            features=jnp.take_along_axis(features, path[:, :, None], 1),
+            next_tokens=jnp.concatenate([path_tokens[:, 1:], path_tokens[:, :1]], 1),
+            num_unread=jnp.where(ctx.active, verdict.accepted + 1, 0),
+        )
+
+
+def _fed_mask(fed_parents: jax.Array, max_depth: int) -> jax.Array:
+    """[B, M] parent index among fed nodes (-1: the entry they hang from) -> [B, M, M] mask.
+
+    The fed nodes form a tree below a virtual root; a node sees itself and its fed ancestors.
+    """
+    batch = fed_parents.shape[0]
+    with_root = jnp.concatenate([jnp.full((batch, 1), -1, jnp.int32), fed_parents + 1], axis=1)
+    return ancestor_mask(with_root, max_depth)[:, 1:, 1:]

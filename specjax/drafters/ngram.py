@@ -1,0 +1,73 @@
+"""Prompt-lookup (n-gram) drafting: no model, no training.
+
+The longest suffix of the sequence (up to `max_ngram` tokens, at least `min_ngram`) is searched
+for in everything generated or prompted so far; the tokens that followed its most recent earlier
+occurrence are proposed as a chain. Proposals are deterministic, so they are verified with the
+point-mass tree rule and the output distribution is exactly the target's.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from specjax import tree as tree_lib
+from specjax.drafters.base import Drafter, Proposal, StepContext
+from specjax.sampling import SamplingParams
+
+
+def lookup(history: jax.Array, length: jax.Array, num_draft: int, max_ngram: int, min_ngram: int) -> jax.Array:
+    """Continuation of the most recent earlier match of the sequence's suffix (one row).
+
+    history: [S] tokens; the sequence is history[:length + 1] (the pending token at `length`).
+    Returns [num_draft] proposed tokens. Without any match it repeats the last token.
+    """
+    seq_len = history.shape[0]
+    last = length  # index of the pending token, the end of the suffix
+    ends = jnp.arange(seq_len)  # candidate end index j of an earlier occurrence
+    best_end = jnp.full((), -1, jnp.int32)
+    matches = jnp.ones((seq_len,), bool)
+    for size in range(1, max_ngram + 1):
+        offset = size - 1
+        shifted = jnp.roll(history, offset)  # shifted[j] = history[j - offset]
+        matches &= (shifted == history[last - offset]) & (ends >= offset)
+        candidates = matches & (ends < last)
+        found_end = jnp.max(jnp.where(candidates, ends, -1))
+        longer_found = (size >= min_ngram) & (found_end >= 0) & (last >= offset)
+        best_end = jnp.where(longer_found, found_end, best_end)
+    indices = jnp.minimum(best_end + 1 + jnp.arange(num_draft), last)
+    return jnp.where(best_end >= 0, history[indices], history[last])
+
+
+class NgramDrafter(Drafter):
+    """Chain of `num_draft` tokens from prompt lookup."""
+
+    def __init__(self, num_draft: int = 5, max_ngram: int = 3, min_ngram: int = 1):
+        if num_draft < 1:
+            raise ValueError(f"num_draft must be >= 1, got {num_draft}")
+        if not 1 <= min_ngram <= max_ngram:
+            raise ValueError(f"need 1 <= min_ngram <= max_ngram, got {min_ngram}, {max_ngram}")
+        self.num_draft, self.max_ngram, self.min_ngram = num_draft, max_ngram, min_ngram
+
+    @property
+    def num_nodes(self) -> int:
+        return self.num_draft + 1
+
+    @property
+    def max_depth(self) -> int:
+        return self.num_draft
+
+    @property
+    def method_key(self) -> tuple:
+        return super().method_key + (self.max_ngram, self.min_ngram)
+
+    def init_state(self, batch_size: int, max_len: int):
+        return ()
+
+    def propose(self, params, state, key, ctx: StepContext, sampling: SamplingParams):
+        drafts = jax.vmap(lookup, in_axes=(0, 0, None, None, None))(
+            ctx.history, ctx.lengths, self.num_draft, self.max_ngram, self.min_ngram
+        )  # [B, N]
+        tokens = jnp.concatenate([ctx.pending[:, None], drafts], axis=1)  # [B, N + 1]
+        chain = tree_lib.chain(ctx.pending.shape[0], self.num_draft)
+        return state, Proposal(tree=chain, tokens=tokens)

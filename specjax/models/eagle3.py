@@ -1,0 +1,204 @@
+"""The EAGLE-3 draft head: `fc` over three target feature layers, one 2H-input decoder layer.
+
+Params are a flat dict of arrays in [in, out] layout (the checkpoint module converts to and
+from the torch [out, in] names). One draft step, for queries at positions `positions`:
+
+    x     = concat(input_layernorm(embed(token)), hidden_norm(h))      # [B, T, 2H]
+    h'    = h + o_proj(attention(q_proj(x), k_proj(x), v_proj(x)))      # residual stream is h
+    h_out = h' + mlp(post_attention_layernorm(h'))                      # fed back as the next h
+    logits = lm_head(norm(h_out))                                       # [B, T, Vd], draft vocab
+
+Step 0 uses h = project_features(target features); later steps use the previous h_out.
+Draft token i is target token i + d2t[i]; t2d[v] says whether target token v is drafted.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+from specjax.kv_cache import KVCache
+from specjax.models.attention import attention
+from specjax.models.config import Llama3RopeScaling, ModelConfig
+from specjax.models.llama import apply_rope, rms_norm, rope_frequencies
+
+Params = dict[str, jax.Array]
+
+
+@dataclasses.dataclass(frozen=True)
+class Eagle3Config:
+    hidden_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    draft_vocab_size: int
+    target_vocab_size: int
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    rope_scaling: Llama3RopeScaling | None = None
+    max_position_embeddings: int = 8192
+
+    @classmethod
+    def from_target(cls, target: ModelConfig, draft_vocab_size: int) -> Eagle3Config:
+        """A draft shaped like one layer of `target`, drafting over `draft_vocab_size` tokens."""
+        if not 0 < draft_vocab_size <= target.vocab_size:
+            raise ValueError(f"draft_vocab_size {draft_vocab_size} not in (0, {target.vocab_size}]")
+        return cls(
+            hidden_size=target.hidden_size,
+            num_heads=target.num_heads,
+            num_kv_heads=target.num_kv_heads,
+            head_dim=target.head_dim,
+            intermediate_size=target.intermediate_size,
+            draft_vocab_size=draft_vocab_size,
+            target_vocab_size=target.vocab_size,
+            rms_norm_eps=target.rms_norm_eps,
+            rope_theta=target.rope_theta,
+            rope_scaling=target.rope_scaling,
+            max_position_embeddings=target.max_position_embeddings,
+        )
+
+    def param_shapes(self) -> dict[str, tuple[int, ...]]:
+        """Shape of every parameter, [in, out] for matrices."""
+        hidden, q_width = self.hidden_size, self.num_heads * self.head_dim
+        kv_width = self.num_kv_heads * self.head_dim
+        return {
+            "fc": (3 * hidden, hidden),
+            "q_proj": (2 * hidden, q_width),
+            "k_proj": (2 * hidden, kv_width),
+            "v_proj": (2 * hidden, kv_width),
+            "o_proj": (q_width, hidden),
+            "gate_proj": (hidden, self.intermediate_size),
+            "up_proj": (hidden, self.intermediate_size),
+            "down_proj": (self.intermediate_size, hidden),
+            "input_layernorm": (hidden,),
+            "hidden_norm": (hidden,),
+            "post_attention_layernorm": (hidden,),
+            "norm": (hidden,),
+            "lm_head": (hidden, self.draft_vocab_size),
+        }
+
+
+@struct.dataclass
+class DraftVocab:
+    """The draft vocabulary: draft id i is target id i + d2t[i]; t2d[v] marks drafted target ids."""
+
+    d2t: jax.Array  # [Vd] int32
+    t2d: jax.Array  # [V] bool
+
+    @classmethod
+    def from_target_ids(cls, target_ids: jax.Array, target_vocab_size: int) -> DraftVocab:
+        """From the sorted, distinct target ids of the draft vocabulary."""
+        target_ids = jnp.asarray(target_ids, jnp.int32)  # [Vd]
+        return cls(
+            d2t=target_ids - jnp.arange(target_ids.shape[0], dtype=jnp.int32),
+            t2d=jnp.zeros((target_vocab_size,), bool).at[target_ids].set(True),
+        )
+
+    @property
+    def target_ids(self) -> jax.Array:
+        """[Vd] target id of each draft id."""
+        return draft_to_target(jnp.arange(self.d2t.shape[0]), self.d2t)
+
+
+class Eagle3Output(NamedTuple):
+    logits: jax.Array  # [B, T, Vd] float32
+    hidden: jax.Array  # [B, T, H] pre-norm output, the next step's h
+    k: jax.Array  # [1, B, T, Hkv, D]
+    v: jax.Array  # [1, B, T, Hkv, D]
+
+
+def init_params(config: Eagle3Config, key: jax.Array, dtype=jnp.float32) -> Params:
+    """Normal(0, 0.02) matrices, unit norm scales."""
+    shapes = config.param_shapes()
+    keys = dict(zip(shapes, jax.random.split(key, len(shapes))))
+    return {
+        name: (
+            jnp.ones(shape, dtype)
+            if len(shape) == 1
+            else 0.02 * jax.random.normal(keys[name], shape, dtype)
+        )
+        for name, shape in shapes.items()
+    }
+
+
+def draft_to_target(draft_ids: jax.Array, d2t: jax.Array) -> jax.Array:
+    """Target token ids of draft token ids (any shape)."""
+    return draft_ids + d2t[draft_ids].astype(draft_ids.dtype)
+
+
+def project_features(params: Params, features: jax.Array) -> jax.Array:
+    """fc: [B, T, 3H] concatenated target features (low, mid, high) -> [B, T, H]."""
+    return features.astype(params["fc"].dtype) @ params["fc"]
+
+
+def midlayer_qkv(
+    params: Params,
+    config: Eagle3Config,
+    token_embeddings: jax.Array,
+    hidden: jax.Array,
+    positions: jax.Array,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Rotated queries [B, T, Hq, D], keys and values [B, T, Hkv, D] of one draft step."""
+    batch, length, _ = hidden.shape
+    dtype = params["q_proj"].dtype
+    x = jnp.concatenate(
+        [
+            rms_norm(token_embeddings.astype(dtype), params["input_layernorm"], config.rms_norm_eps),
+            rms_norm(hidden.astype(dtype), params["hidden_norm"], config.rms_norm_eps),
+        ],
+        axis=-1,
+    )  # [B, T, 2H]
+    heads = lambda w, n: (x @ w).reshape(batch, length, n, config.head_dim)
+    inv_freq = rope_frequencies(config)
+    q = apply_rope(heads(params["q_proj"], config.num_heads), positions, inv_freq)
+    k = apply_rope(heads(params["k_proj"], config.num_kv_heads), positions, inv_freq)
+    v = heads(params["v_proj"], config.num_kv_heads)
+    return q, k, v
+
+
+def midlayer_output(
+    params: Params, config: Eagle3Config, hidden: jax.Array, attention: jax.Array
+) -> tuple[jax.Array, jax.Array]:
+    """From h [B, T, H] and attention output [B, T, Hq, D]: (logits [B, T, Vd] f32, h_out [B, T, H])."""
+    batch, length, _ = hidden.shape
+    dtype = params["o_proj"].dtype
+    hidden = hidden.astype(dtype) + attention.reshape(batch, length, -1).astype(dtype) @ params["o_proj"]
+    x = rms_norm(hidden, params["post_attention_layernorm"], config.rms_norm_eps)
+    hidden = hidden + (jax.nn.silu(x @ params["gate_proj"]) * (x @ params["up_proj"])) @ params["down_proj"]
+    logits = rms_norm(hidden, params["norm"], config.rms_norm_eps) @ params["lm_head"]
+    return logits.astype(jnp.float32), hidden
+
+
+def forward(
+    params: Params,
+    config: Eagle3Config,
+    token_embeddings: jax.Array,
+    hidden: jax.Array,
+    positions: jax.Array,
+    cache: KVCache,
+    block_mask: jax.Array,
+    *,
+    chunk_size: int = 256,
+) -> Eagle3Output:
+    """One draft step over a block of T queries.
+
+    token_embeddings: [B, T, H] target embeddings of the input tokens.
+    hidden:           [B, T, H] h: project_features(target features) or a previous `hidden` output.
+    positions:        [B, T] RoPE positions.
+    cache:            the draft's 1-layer KVCache; queries attend to slots < cache.lengths[b]
+                      plus the block entries allowed by block_mask ([B, T, T] or [T, T] bool,
+                      each query must see itself). The cache is not modified: the caller writes
+                      the returned k, v. chunk_size (clipped to the buffer) must divide it.
+    """
+    batch, length, _ = hidden.shape
+    q, k, v = midlayer_qkv(params, config, token_embeddings, hidden, positions)
+    grouped = q.reshape(batch, length, config.num_kv_heads, -1, config.head_dim)  # [B, T, Hkv, G, D]
+    chunk_size = min(chunk_size, cache.max_len)
+    out = attention(grouped, k, v, cache.k, cache.v, jnp.int32(0), cache.lengths, block_mask, chunk_size)
+    logits, hidden_out = midlayer_output(params, config, hidden, out.reshape(q.shape))
+    return Eagle3Output(logits=logits, hidden=hidden_out, k=k[None], v=v[None])

@@ -1,0 +1,215 @@
+"""The Llama-family target decoder as pure functions over a params pytree.
+
+Params are nested dicts of arrays; matrices are stored [in, out]; per-layer weights are stacked
+on a leading L axis so the layer loop is one `lax.scan`:
+
+    embed_tokens [V, H]      norm [H]      lm_head [H, V] (absent when tie_word_embeddings)
+    layers/input_layernorm [L, H]            layers/post_attention_layernorm [L, H]
+    layers/q_proj [L, H, Hq*D]   layers/k_proj, v_proj [L, H, Hkv*D]   layers/o_proj [L, Hq*D, H]
+    layers/gate_proj, up_proj [L, H, F]      layers/down_proj [L, F, H]
+    layers/q_bias [L, Hq*D], k_bias, v_bias [L, Hkv*D]     (attention_bias, Qwen2)
+    layers/q_norm, k_norm [L, D]                            (qk_norm, Qwen3)
+
+`forward` never writes the KV cache: it returns the new block's keys and values, and the caller
+decides what to `kv_cache.write` and `commit` (the decode-step contract in DESIGN.md).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import struct
+from jax import lax
+
+from specjax.kv_cache import KVCache
+from specjax.models.attention import attention
+from specjax.models.config import ModelConfig
+
+Params = dict[str, Any]
+
+
+@struct.dataclass
+class ForwardOutput:
+    logits: jax.Array  # [B, T, V] float32
+    k: jax.Array  # [L, B, T, Hkv, D] keys of the new block, RoPE applied
+    v: jax.Array  # [L, B, T, Hkv, D] values of the new block
+    features: jax.Array | None  # [B, T, len(feature_layers) * H], or None
+
+
+def param_shapes(config: ModelConfig) -> Params:
+    """The params pytree with a shape tuple at every leaf (what loaders validate against)."""
+    c = config
+    L, H, F, D = c.num_layers, c.hidden_size, c.intermediate_size, c.head_dim
+    q_dim, kv_dim = c.num_heads * D, c.num_kv_heads * D
+    layers = {
+        "input_layernorm": (L, H),
+        "q_proj": (L, H, q_dim),
+        "k_proj": (L, H, kv_dim),
+        "v_proj": (L, H, kv_dim),
+        "o_proj": (L, q_dim, H),
+        "post_attention_layernorm": (L, H),
+        "gate_proj": (L, H, F),
+        "up_proj": (L, H, F),
+        "down_proj": (L, F, H),
+    }
+    if c.attention_bias:
+        layers |= {"q_bias": (L, q_dim), "k_bias": (L, kv_dim), "v_bias": (L, kv_dim)}
+    if c.qk_norm:
+        layers |= {"q_norm": (L, D), "k_norm": (L, D)}
+    shapes = {"embed_tokens": (c.vocab_size, H), "layers": layers, "norm": (H,)}
+    if not c.tie_word_embeddings:
+        shapes["lm_head"] = (H, c.vocab_size)
+    return shapes
+
+
+def init_params(config: ModelConfig, key: jax.Array, dtype=jnp.float32) -> Params:
+    """Random params: norm weights at 1, everything else N(0, 0.02)."""
+    shapes = param_shapes(config)
+    is_shape = lambda leaf: isinstance(leaf, tuple)
+    keys = iter(jax.random.split(key, len(jax.tree.leaves(shapes, is_leaf=is_shape))))
+
+    def init(path, shape):
+        if "norm" in jax.tree_util.keystr(path):
+            return jnp.ones(shape, dtype)
+        return (0.02 * jax.random.normal(next(keys), shape)).astype(dtype)
+
+    return jax.tree_util.tree_map_with_path(init, shapes, is_leaf=is_shape)
+
+
+def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
+    """RMSNorm over the last axis, statistics in float32, result in x's dtype (as Hugging Face)."""
+    x32 = x.astype(jnp.float32)
+    normed = x32 * lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    return weight * normed.astype(x.dtype)
+
+
+def rope_frequencies(config: ModelConfig) -> np.ndarray:
+    """[D/2] float32 inverse frequencies, with Llama-3.1 scaling when configured."""
+    dim = config.head_dim
+    inv_freq = 1.0 / (config.rope_theta ** (np.arange(0, dim, 2, dtype=np.float64) / dim))
+    scaling = config.rope_scaling
+    if scaling is not None:
+        low_freq_wavelen = scaling.original_max_position_embeddings / scaling.low_freq_factor
+        high_freq_wavelen = scaling.original_max_position_embeddings / scaling.high_freq_factor
+        wavelen = 2 * np.pi / inv_freq
+        scaled = np.where(wavelen > low_freq_wavelen, inv_freq / scaling.factor, inv_freq)
+        smooth = (scaling.original_max_position_embeddings / wavelen - scaling.low_freq_factor) / (
+            scaling.high_freq_factor - scaling.low_freq_factor
+        )
+        smoothed = (1 - smooth) * scaled / scaling.factor + smooth * scaled
+        medium = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
+        inv_freq = np.where(medium, smoothed, scaled)
+    return inv_freq.astype(np.float32)
+
+
+def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray) -> jax.Array:
+    """Rotate-half RoPE (Hugging Face layout). x: [B, T, N, D]; positions: [B, T]."""
+    angles = positions[..., None].astype(jnp.float32) * inv_freq  # [B, T, D/2]
+    cos = jnp.cos(jnp.concatenate([angles, angles], -1))[:, :, None, :]  # [B, T, 1, D]
+    sin = jnp.sin(jnp.concatenate([angles, angles], -1))[:, :, None, :]
+    x32 = x.astype(jnp.float32)
+    first, second = jnp.split(x32, 2, axis=-1)
+    rotated = jnp.concatenate([-second, first], axis=-1)
+    return (x32 * cos + rotated * sin).astype(x.dtype)
+
+
+def embed(params: Params, tokens: jax.Array) -> jax.Array:
+    """[B, T] int32 -> [B, T, H] in the params' dtype."""
+    return params["embed_tokens"][tokens]
+
+
+def lm_head(params: Params, config: ModelConfig, hidden: jax.Array) -> jax.Array:
+    """Final norm and output projection: pre-norm residual [B, T, H] -> float32 logits [B, T, V]."""
+    normed = rms_norm(hidden, params["norm"], config.rms_norm_eps)
+    if config.tie_word_embeddings:
+        return jnp.einsum("bth,vh->btv", normed, params["embed_tokens"], preferred_element_type=jnp.float32)
+    return jnp.einsum("bth,hv->btv", normed, params["lm_head"], preferred_element_type=jnp.float32)
+
+
+def _attention_block(config, w, x, layer, positions, inv_freq, cache, block_mask, chunk_size):
+    """Pre-norm self-attention of one layer. x: [B, T, H] -> ([B, T, H], k [B, T, Hkv, D], v)."""
+    c = config
+    batch, num_new, _ = x.shape
+    h = rms_norm(x, w["input_layernorm"], c.rms_norm_eps)
+    q = h @ w["q_proj"]  # [B, T, Hq*D]
+    k = h @ w["k_proj"]  # [B, T, Hkv*D]
+    v = h @ w["v_proj"]  # [B, T, Hkv*D]
+    if c.attention_bias:
+        q, k, v = q + w["q_bias"], k + w["k_bias"], v + w["v_bias"]
+    q = q.reshape(batch, num_new, c.num_heads, c.head_dim)
+    k = k.reshape(batch, num_new, c.num_kv_heads, c.head_dim)
+    v = v.reshape(batch, num_new, c.num_kv_heads, c.head_dim)
+    if c.qk_norm:
+        q = rms_norm(q, w["q_norm"], c.rms_norm_eps)
+        k = rms_norm(k, w["k_norm"], c.rms_norm_eps)
+    q = apply_rope(q, positions, inv_freq)
+    k = apply_rope(k, positions, inv_freq)
+    q = q.reshape(batch, num_new, c.num_kv_heads, c.num_groups, c.head_dim)  # [B, T, Hkv, G, D]
+    k_cache, v_cache, lengths = (None, None, None) if cache is None else (cache.k, cache.v, cache.lengths)
+    out = attention(q, k, v, k_cache, v_cache, layer, lengths, block_mask, chunk_size)  # [B, T, Hkv, G, D]
+    out = out.reshape(batch, num_new, c.num_heads * c.head_dim) @ w["o_proj"]  # [B, T, H]
+    return out, k, v
+
+
+def _mlp_block(config, w, x):
+    """Pre-norm SwiGLU MLP of one layer. x: [B, T, H] -> [B, T, H]."""
+    h = rms_norm(x, w["post_attention_layernorm"], config.rms_norm_eps)
+    return (jax.nn.silu(h @ w["gate_proj"]) * (h @ w["up_proj"])) @ w["down_proj"]
+
+
+def forward(
+    params: Params,
+    config: ModelConfig,
+    tokens: jax.Array,
+    positions: jax.Array,
+    cache: KVCache | None,
+    block_mask: jax.Array,
+    *,
+    feature_layers: tuple[int, ...] = (),
+    chunk_size: int = 256,
+) -> ForwardOutput:
+    """Run T new tokens per row against the committed cache; the cache is not modified.
+
+    tokens, positions: [B, T] int32. block_mask: [B, T, T] or [T, T] bool.
+    Query t of row b attends to cache slots s < cache.lengths[b] and to block entry u iff
+    block_mask[..., t, u]. `cache=None` means an empty prefix (training, no-cache scoring).
+    feature_layers: layer indices whose *input* hidden states are returned, concatenated in
+    this order (Hugging Face `hidden_states[i]`). chunk_size: cache slots attended per step of
+    the prefix loop, clipped to the buffer, which it must divide.
+    Under jit, config, feature_layers and chunk_size are static.
+    """
+    for layer in feature_layers:
+        if not 0 <= layer < config.num_layers:
+            raise ValueError(f"feature layer {layer} out of range for {config.num_layers} layers")
+    if cache is not None:
+        chunk_size = min(chunk_size, cache.max_len)
+    inv_freq = rope_frequencies(config)
+    hidden = embed(params, tokens)  # [B, T, H]
+
+    # Feature capture: every layer writes its input into a buffer slot; non-feature layers
+    # write to a trailing scratch slot, so capturing costs one [B, T, H] write per layer.
+    captured = sorted(set(feature_layers))
+    slot_of_layer = np.full(config.num_layers, len(captured), np.int32)
+    slot_of_layer[captured] = np.arange(len(captured))
+    features = jnp.zeros((len(captured) + 1,) + hidden.shape, hidden.dtype) if captured else None
+
+    def layer_step(carry, layer_inputs):
+        x, features = carry
+        w, layer = layer_inputs
+        if features is not None:
+            features = lax.dynamic_update_index_in_dim(features, x, jnp.asarray(slot_of_layer)[layer], 0)
+        attn_out, k, v = _attention_block(config, w, x, layer, positions, inv_freq, cache, block_mask, chunk_size)
+        x = x + attn_out
+        x = x + _mlp_block(config, w, x)
+        return (x, features), (k, v)
+
+    layer_ids = jnp.arange(config.num_layers, dtype=jnp.int32)
+    (hidden, features), (k_new, v_new) = lax.scan(layer_step, (hidden, features), (params["layers"], layer_ids))
+    if features is not None:
+        order = [captured.index(layer) for layer in feature_layers]
+        features = features[jnp.asarray(order)]  # [F, B, T, H]
+        features = jnp.moveaxis(features, 0, 2).reshape(hidden.shape[:2] + (-1,))  # [B, T, F*H]
+    return ForwardOutput(logits=lm_head(params, config, hidden), k=k_new, v=v_new, features=features)

@@ -1,0 +1,65 @@
+"""Text <-> token ids and chat prompts, from a Hugging Face directory or a GGUF file's metadata."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from transformers import AutoTokenizer, PreTrainedTokenizerBase
+
+
+class Tokenizer:
+    """A thin wrapper over a transformers tokenizer with the few calls the engine needs."""
+
+    def __init__(self, hf_tokenizer: PreTrainedTokenizerBase, extra_eos_ids: tuple[int, ...] = ()):
+        self.hf = hf_tokenizer
+        eos = () if hf_tokenizer.eos_token_id is None else (hf_tokenizer.eos_token_id,)
+        self.eos_token_ids: tuple[int, ...] = tuple(dict.fromkeys(eos + extra_eos_ids))
+
+    @classmethod
+    def from_hf_dir(cls, path: str | Path) -> Tokenizer:
+        """Tokenizer files of a checkpoint directory; EOS ids also from generation_config.json."""
+        path = Path(path)
+        generation_config = path / "generation_config.json"
+        extra: tuple[int, ...] = ()
+        if generation_config.exists():
+            eos = json.loads(generation_config.read_text()).get("eos_token_id")
+            extra = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
+        return cls(AutoTokenizer.from_pretrained(path), extra)
+
+    @classmethod
+    def from_gguf(cls, path: str | Path) -> Tokenizer:
+        """The tokenizer and chat template stored in a GGUF file's metadata (works offline)."""
+        path = Path(path)
+        return cls(AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name))
+
+    @property
+    def vocab_size(self) -> int:
+        return len(self.hf)
+
+    def encode(self, text: str) -> list[int]:
+        """Token ids, with the tokenizer's BOS unless the text already starts with it (a rendered chat prompt)."""
+        bos = self.hf.bos_token
+        already_has_bos = bos is not None and text.startswith(bos)
+        return self.hf.encode(text, add_special_tokens=not already_has_bos)
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
+        return self.hf.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def chat_prompt(self, user_text: str, system: str | None = None) -> str:
+        """One user turn rendered with the model's chat template, ending where the assistant speaks."""
+        if not self.hf.chat_template:
+            raise ValueError("this tokenizer has no chat template")
+        messages = [{"role": "system", "content": system}] if system is not None else []
+        messages.append({"role": "user", "content": user_text})
+        return self.hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+
+
+def load(path: str | Path) -> Tokenizer:
+    """Tokenizer for a checkpoint directory or a .gguf file."""
+    path = Path(path)
+    if path.is_dir():
+        return Tokenizer.from_hf_dir(path)
+    if path.suffix == ".gguf" and path.is_file():
+        return Tokenizer.from_gguf(path)
+    raise ValueError(f"{path} is neither a Hugging Face checkpoint directory nor a .gguf file")

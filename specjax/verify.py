@@ -1,0 +1,229 @@
+"""Verification: how much of a draft the target accepts, and the token that follows it.
+
+Both rules are exact: the emitted tokens (the accepted drafts, then `next_token`) are
+distributed as if sampled one by one from the target's processed distribution q
+(`sampling.probs`). Greedy rows (temperature 0) take the argmax walk, with no randomness.
+
+chain: drafts sampled from known distributions p (Leviathan et al. 2023; Chen et al. 2023).
+tree:  deterministic candidates (EAGLE-2 top-k, n-gram, Medusa), verified by the point-mass
+       rule of DESIGN.md: at an accepted node with residual r (starting at q), try the children
+       in index order, accept child c with probability r(c), on rejection zero r(c) and
+       renormalise; if every child is rejected, sample from r.
+
+Conventions that keep both rules exact and safe:
+- Acceptance test: draft d is accepted iff u * p(d) < q(d) with u ~ U[0, 1), that is with
+  probability min(1, q(d) / p(d)). Where p(d) = 0 (d cannot have come from p; only rounding
+  of a drafter's probabilities gets here) this accepts iff q(d) > 0, the limit of
+  min(1, q/p) as p -> 0. A token with q(d) = 0 is never accepted.
+- Residual: normalise(max(q - p, 0)). It has no mass only where q <= p everywhere, i.e.
+  p == q, where rejection has probability 0; there it falls back to q.
+- A deterministic child with token t is a point-mass draft p = one_hot(t); rejecting a set of
+  children is the residual against the sum of their point masses. One `_residual` serves both.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+from specjax import sampling
+from specjax.sampling import SamplingParams
+from specjax.tree import Tree
+
+Residual = Callable[[jax.Array, jax.Array], jax.Array]
+
+
+@struct.dataclass
+class Verdict:
+    """The outcome of verifying one draft per row.
+
+    accepted:    [B] int32, drafted tokens accepted (0 .. depth).
+    next_token:  [B] int32, the token sampled after them (residual on rejection, else bonus).
+    path:        [B, D + 1] int32, accepted node indices from the root (path[:, 0] = 0); entries
+                 past `accepted` repeat the last accepted node. For a chain, node i is draft i - 1.
+    accepted_at: [B, D] bool, position i (depth i + 1) accepted, i.e. i < accepted.
+    """
+
+    accepted: jax.Array  # [B] int32
+    next_token: jax.Array  # [B] int32
+    path: jax.Array  # [B, D + 1] int32
+    accepted_at: jax.Array  # [B, D] bool
+
+
+def _residual(q: jax.Array, p: jax.Array) -> jax.Array:
+    """normalise(max(q - p, 0)) over the last axis; q where that has no mass (p == q)."""
+    excess = jnp.maximum(q - p, 0.0)  # [..., V]
+    mass = jnp.sum(excess, axis=-1, keepdims=True)  # [..., 1]
+    return jnp.where(mass > 0, excess / jnp.where(mass > 0, mass, 1.0), q)
+
+
+def emitted_tokens(verdict: Verdict, node_tokens: jax.Array) -> jax.Array:
+    """The tokens a step emits, in order: accepted nodes' tokens, then next_token; -1 after.
+
+    node_tokens: [B, N] tokens of the nodes `verdict.path` indexes, root first (for a chain:
+    the pending token, then the drafts). Returns [B, D + 1] int32.
+    """
+    path_tokens = jnp.take_along_axis(node_tokens, verdict.path[:, 1:], axis=1)  # [B, D]
+    positions = jnp.arange(verdict.path.shape[1])  # [D + 1]
+    accepted = verdict.accepted[:, None]  # [B, 1]
+    padded = jnp.pad(path_tokens, ((0, 0), (0, 1)))  # [B, D + 1]
+    emitted = jnp.where(positions < accepted, padded, verdict.next_token[:, None])
+    return jnp.where(positions <= accepted, emitted, -1).astype(jnp.int32)
+
+
+def _chain_row(
+    key: jax.Array,
+    draft_tokens: jax.Array,  # [N]
+    draft_probs: jax.Array,  # [N, V]
+    target_probs: jax.Array,  # [N + 1, V]
+    greedy: jax.Array,  # [] bool
+    residual: Residual,
+) -> tuple[jax.Array, jax.Array]:
+    """(accepted, next_token) for one row of `chain`."""
+    num_draft = draft_tokens.shape[0]
+    accept_key, sample_key = jax.random.split(key)
+    q_drafted = jnp.take_along_axis(target_probs[:-1], draft_tokens[:, None], axis=-1)[:, 0]  # [N]
+    p_drafted = jnp.take_along_axis(draft_probs, draft_tokens[:, None], axis=-1)[:, 0]  # [N]
+    uniform = jax.random.uniform(accept_key, (num_draft,))  # [N]
+    sampled_ok = uniform * p_drafted < q_drafted
+    greedy_ok = draft_tokens == jnp.argmax(target_probs[:-1], axis=-1)
+    ok = jnp.where(greedy, greedy_ok, sampled_ok)  # [N]
+    accepted = jnp.sum(jnp.cumprod(ok.astype(jnp.int32)))
+    # At the stop position: residual against the rejected draft's p, or the bonus (p = 0).
+    q_stop = target_probs[accepted]  # [V]
+    if num_draft == 0:
+        p_stop = jnp.zeros_like(q_stop)
+    else:
+        p_stop = jnp.where(accepted < num_draft, draft_probs[jnp.minimum(accepted, num_draft - 1)], 0.0)
+    sampled_next = sampling.sample(sample_key, residual(q_stop, p_stop))
+    next_token = jnp.where(greedy, jnp.argmax(q_stop), sampled_next)
+    return accepted.astype(jnp.int32), next_token.astype(jnp.int32)
+
+
+def _chain(key, draft_tokens, draft_probs, target_probs, params, residual: Residual) -> Verdict:
+    batch_size, num_draft = draft_tokens.shape
+    row = functools.partial(_chain_row, residual=residual)
+    keys = jax.random.split(key, batch_size)
+    accepted, next_token = jax.vmap(row)(keys, draft_tokens, draft_probs, target_probs, params.greedy)
+    positions = jnp.arange(num_draft + 1, dtype=jnp.int32)
+    return Verdict(
+        accepted=accepted,
+        next_token=next_token,
+        path=jnp.minimum(positions[None, :], accepted[:, None]),
+        accepted_at=positions[None, :-1] < accepted[:, None],
+    )
+
+
+@jax.jit
+def chain(
+    key: jax.Array,
+    draft_tokens: jax.Array,
+    draft_probs: jax.Array,
+    target_probs: jax.Array,
+    params: SamplingParams,
+) -> Verdict:
+    """Verify a chain of N drafts per row by speculative (rejection) sampling.
+
+    draft_tokens: [B, N] int, drawn one by one from draft_probs.
+    draft_probs:  [B, N, V], the exact distribution each draft was drawn from (one-hot for a
+                  deterministic drafter).
+    target_probs: [B, N + 1, V], processed q (`sampling.probs`); row i is q after i drafts.
+    Accept d_i with probability min(1, q_i(d_i) / p_i(d_i)); at the first rejection sample
+    from normalise(max(q_i - p_i, 0)); if all N are accepted, the bonus comes from q_N.
+    Greedy rows accept while d_i == argmax q_i and emit argmax q at the stop position.
+    """
+    return _chain(key, draft_tokens, draft_probs, target_probs, params, _residual)
+
+
+def _tree_row(
+    key: jax.Array,
+    parents: jax.Array,  # [N]
+    depths: jax.Array,  # [N]
+    ancestors: jax.Array,  # [N, N] ancestor-or-self mask
+    node_tokens: jax.Array,  # [N]
+    target_probs: jax.Array,  # [N, V]
+    greedy: jax.Array,  # [] bool
+    max_depth: int,
+    residual: Residual,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """(accepted, next_token, path) for one row of `tree`.
+
+    Every node is tried at most once (when the walk sits at its parent), so each node gets its
+    own uniform and all acceptance tests are evaluated at once; the walk follows, at each node,
+    the first child that passes. A try only looks at q at the sibling tokens, so its residual
+    is taken on a compressed vocabulary: one slot per node (q_parent of its token, 0 for a
+    repeat of an earlier sibling's token) plus one slot for every other token. O(N^2 + V).
+    """
+    num_nodes = node_tokens.shape[0]
+    accept_key, sample_key = jax.random.split(key)
+    nodes = jnp.arange(num_nodes)
+    drafted = nodes > 0  # [N], the root is not a candidate
+    parent = jnp.maximum(parents, 0)  # [N]
+    siblings = (parents[:, None] == parents[None, :]) & drafted[:, None] & drafted[None, :]  # [N, N]
+    earlier = nodes[None, :] < nodes[:, None]  # [N, N]: [j, k] k comes before j
+    tried_before = siblings & earlier  # [j, k]: k is tried (and rejected) before j is tried
+    same_token = siblings & (node_tokens[:, None] == node_tokens[None, :])  # [N, N]
+    token_slot = jnp.argmax(same_token, axis=1)  # [N], the first sibling with this node's token
+    q_token = target_probs[parent, node_tokens]  # [N] q_parent(token)
+    slot_q = jnp.where(drafted & (token_slot == nodes), q_token, 0.0)  # [N], repeats hold no mass
+    sibling_q = jnp.where(siblings, slot_q[None, :], 0.0)  # [N, N]
+    other_q = jnp.maximum(1.0 - jnp.sum(sibling_q, axis=1, keepdims=True), 0.0)  # [N, 1]
+    compressed_q = jnp.concatenate([sibling_q, other_q], axis=1)  # [N, N + 1]
+    compressed_tried = jnp.pad(tried_before.astype(compressed_q.dtype), ((0, 0), (0, 1)))  # [N, N + 1]
+    r_when_tried = residual(compressed_q, compressed_tried)  # [N, N + 1]
+    r_token = jnp.take_along_axis(r_when_tried, token_slot[:, None], axis=1)[:, 0]  # [N]
+    uniform = jax.random.uniform(accept_key, (num_nodes,))  # [N]
+    greedy_ok = node_tokens == jnp.argmax(target_probs, axis=-1)[parent]
+    ok = jnp.where(greedy, greedy_ok, uniform < r_token) & drafted  # [N]
+    first_ok = ok & ~jnp.any(tried_before & ok[None, :], axis=1)  # [N], the child the walk takes
+    moves = first_ok | ~drafted
+    on_path = jnp.all(moves[None, :] | ~ancestors, axis=1)  # [N], every ancestor-or-self taken
+    stop = jnp.argmax(jnp.where(on_path, depths, -1))  # the deepest node on the path
+    accepted = depths[stop]
+    at_depth = on_path[None, :] & (depths[None, :] == jnp.arange(max_depth + 1)[:, None])  # [D + 1, N]
+    path = jnp.where(jnp.any(at_depth, axis=1), jnp.argmax(at_depth, axis=1), stop)  # [D + 1]
+    # The stop node's children were all tried and rejected (none for a leaf: the bonus).
+    q_stop = target_probs[stop]  # [V]
+    children_mass = jnp.zeros_like(q_stop).at[node_tokens].add((parents == stop).astype(q_stop.dtype))  # [V]
+    sampled_next = sampling.sample(sample_key, residual(q_stop, children_mass))
+    next_token = jnp.where(greedy, jnp.argmax(q_stop), sampled_next)
+    return accepted.astype(jnp.int32), next_token.astype(jnp.int32), path.astype(jnp.int32)
+
+
+def _tree(key, tree, node_tokens, target_probs, params, residual: Residual) -> Verdict:
+    row = functools.partial(_tree_row, max_depth=tree.max_depth, residual=residual)
+    keys = jax.random.split(key, node_tokens.shape[0])
+    accepted, next_token, path = jax.vmap(row)(
+        keys, tree.parents, tree.depths, tree.ancestor_mask(), node_tokens, target_probs, params.greedy
+    )
+    return Verdict(
+        accepted=accepted,
+        next_token=next_token,
+        path=path,
+        accepted_at=jnp.arange(tree.max_depth)[None, :] < accepted[:, None],
+    )
+
+
+@jax.jit
+def tree(
+    key: jax.Array,
+    tree: Tree,
+    node_tokens: jax.Array,
+    target_probs: jax.Array,
+    params: SamplingParams,
+) -> Verdict:
+    """Verify a tree of deterministic candidates per row by the point-mass rule.
+
+    tree:         topology; node 0 is the root (the pending token), siblings in try order.
+    node_tokens:  [B, N] int, node_tokens[:, 0] is the pending token.
+    target_probs: [B, N, V], processed q at node i (the distribution of the token after it).
+    At the accepted node with residual r (starting at its q), child c is accepted with
+    probability r(c); on rejection r(c) = 0 and r is renormalised; if every child is rejected
+    the next token is drawn from r, at a leaf from q. Siblings may repeat a token (the repeat
+    then has r = 0). Greedy rows follow the first child whose token is argmax q.
+    """
+    return _tree(key, tree, node_tokens, target_probs, params, _residual)

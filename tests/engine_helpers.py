@@ -1,0 +1,109 @@
+"""Tiny random models and drafters shared by the engine tests."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from specjax import tree as tree_lib
+from specjax.drafters.base import Drafter, Proposal
+from specjax.drafters.draft_model import DraftModelDrafter
+from specjax.drafters.eagle3 import Eagle3Drafter
+from specjax.drafters.ngram import NgramDrafter
+from specjax.models import eagle3, llama
+from specjax.models.config import ModelConfig
+
+
+def tiny_config(vocab_size: int = 96, num_layers: int = 2, hidden_size: int = 32, eos: tuple[int, ...] = ()) -> ModelConfig:
+    return ModelConfig(
+        vocab_size=vocab_size,
+        hidden_size=hidden_size,
+        intermediate_size=2 * hidden_size,
+        num_layers=num_layers,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=hidden_size // 4,
+        rope_theta=10000.0,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=False,
+        eos_token_ids=eos,
+    )
+
+
+def tiny_params(config: ModelConfig, seed: int, scale: float = 1.0):
+    """Random params; `scale` sharpens the output distribution (N(0, 0.02) is near uniform)."""
+    params = llama.init_params(config, jax.random.key(seed))
+    return params | {"lm_head": params["lm_head"] * scale}
+
+
+def eagle3_drafter(config: ModelConfig, params, *, seed: int = 7, depth: int = 4, top_k: int = 1, nodes: int | None = None):
+    """A random EAGLE-3 head over half of the target vocabulary."""
+    head_config = eagle3.Eagle3Config.from_target(config, draft_vocab_size=config.vocab_size // 2)
+    head_params = eagle3.init_params(head_config, jax.random.key(seed))
+    ids = jnp.sort(jax.random.permutation(jax.random.key(seed + 1), config.vocab_size)[: config.vocab_size // 2])
+    vocab = eagle3.DraftVocab.from_target_ids(ids, config.vocab_size)
+    return Eagle3Drafter(head_config, head_params, vocab, config, params, depth=depth, top_k=top_k, tree_nodes=nodes)
+
+
+class OracleTreeDrafter(Drafter):
+    """Proposes the target's own greedy continuation, each true token preceded by a wrong sibling.
+
+    Under greedy decoding every drafted level is accepted on its second child, so the accepted
+    path is never contiguous: it exercises full acceptance, the bonus token and compaction.
+    """
+
+    def __init__(self, config: ModelConfig, params, depth: int = 3):
+        self.config, self.params, self.depth = config, params, depth
+
+    @property
+    def num_nodes(self) -> int:
+        return 2 * self.depth + 1
+
+    @property
+    def max_depth(self) -> int:
+        return self.depth
+
+    def init_state(self, batch_size, max_len):
+        return ()
+
+    def propose(self, params, state, key, ctx, sampling):
+        batch = ctx.pending.shape[0]
+        max_len = ctx.history.shape[1]
+        # Greedy continuation by re-running the target on the whole history (slow, test only).
+        history = ctx.history
+        rows = jnp.arange(batch)
+        lengths = ctx.lengths + 1  # tokens so far, the pending one included
+        truth = []
+        for _ in range(self.depth):
+            positions = jnp.broadcast_to(jnp.arange(max_len), (batch, max_len))
+            causal = jnp.tril(jnp.ones((max_len, max_len), bool))
+            logits = llama.forward(params, self.config, history, positions, None, causal).logits
+            token = jnp.argmax(logits[rows, lengths - 1], -1).astype(jnp.int32)
+            truth.append(token)
+            history = history.at[rows, lengths].set(token, mode="drop")
+            lengths = lengths + 1
+        truth = jnp.stack(truth, 1)  # [B, D]
+        wrong = (truth + 1) % self.config.vocab_size
+        # Node 2i+1 is the wrong child, node 2i+2 the true one; both hang from the true node above.
+        parents = [-1] + [p for level in range(self.depth) for p in (2 * level, 2 * level)]
+        depths = [0] + [d for level in range(1, self.depth + 1) for d in (level, level)]
+        tokens = jnp.stack([wrong, truth], 2).reshape(batch, 2 * self.depth)
+        tree = tree_lib.Tree(
+            parents=jnp.broadcast_to(jnp.asarray(parents, jnp.int32), (batch, self.num_nodes)),
+            depths=jnp.broadcast_to(jnp.asarray(depths, jnp.int32), (batch, self.num_nodes)),
+            max_depth=self.depth,
+        )
+        return state, Proposal(tree=tree, tokens=jnp.concatenate([ctx.pending[:, None], tokens], 1))
+
+
+def all_drafters(config: ModelConfig, params) -> dict[str, Drafter]:
+    """Every method, with an untrained draft (many rejections) and one that agrees with the target."""
+    draft_config = tiny_config(config.vocab_size, num_layers=1, hidden_size=16)
+    return {
+        "ngram": NgramDrafter(num_draft=4),
+        "draft-random": DraftModelDrafter(draft_config, tiny_params(draft_config, 3), num_draft=3),
+        "draft-self": DraftModelDrafter(config, params, num_draft=3),
+        "eagle3-chain": eagle3_drafter(config, params, depth=3),
+        "eagle3-tree": eagle3_drafter(config, params, depth=3, top_k=2, nodes=6),
+        "oracle-tree": OracleTreeDrafter(config, params, depth=3),
+    }

@@ -1,0 +1,118 @@
+"""The engine: greedy losslessness for every method, batching, limits, errors, compilation."""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+import pytest
+
+from engine_helpers import all_drafters, eagle3_drafter, tiny_config, tiny_params
+from specjax.drafters.draft_model import DraftModelDrafter
+from specjax.engine import Engine
+from specjax.sampling import SamplingParams
+
+CONFIG = tiny_config(num_layers=4)
+PARAMS = tiny_params(CONFIG, seed=0, scale=30.0)
+MAX_LEN = 128
+NEW_TOKENS = 64
+# Repetitive prompts give n-gram lookup something to find.
+PROMPTS = [
+    [5, 6, 7, 8, 5, 6, 7, 8, 5, 6],
+    [11, 12, 13],
+    [20, 21, 22, 23, 24, 25, 20, 21, 22],
+    [40, 41, 42, 40, 41],
+]
+DRAFTERS = all_drafters(CONFIG, PARAMS)
+
+
+@pytest.fixture(scope="module")
+def autoregressive():
+    """Greedy reference tokens: each prompt alone, plain autoregressive decoding."""
+    engine = Engine(CONFIG, PARAMS, max_len=MAX_LEN)
+    return [engine.generate([p], max_new_tokens=NEW_TOKENS).tokens[0] for p in PROMPTS]
+
+
+@pytest.mark.parametrize("method", sorted(DRAFTERS))
+def test_greedy_speculative_equals_autoregressive(method, autoregressive):
+    engine = Engine(CONFIG, PARAMS, DRAFTERS[method], max_len=MAX_LEN)
+    single = engine.generate(PROMPTS[:1], max_new_tokens=NEW_TOKENS)
+    assert single.tokens[0] == autoregressive[0]
+    batch = engine.generate(PROMPTS, max_new_tokens=NEW_TOKENS)
+    assert batch.tokens == autoregressive
+    assert all(len(t) == NEW_TOKENS for t in batch.tokens)
+    assert batch.calls.sum() > 0
+
+
+def test_agreeing_drafts_are_fully_accepted():
+    for method in ("draft-self", "oracle-tree"):
+        drafter = DRAFTERS[method]
+        stats = Engine(CONFIG, PARAMS, drafter, max_len=MAX_LEN).generate(PROMPTS, max_new_tokens=NEW_TOKENS)
+        # Every verifier call accepts the whole path (the final, truncated one aside).
+        assert stats.tau > drafter.max_depth + 0.5, method
+        np.testing.assert_allclose(stats.acceptance_by_position, 1.0)
+
+
+def test_random_draft_is_mostly_rejected():
+    stats = Engine(CONFIG, PARAMS, DRAFTERS["draft-random"], max_len=MAX_LEN).generate(PROMPTS, max_new_tokens=NEW_TOKENS)
+    assert stats.tau < 2.0
+
+
+def test_rows_finish_at_different_times():
+    eos = 3
+    config = tiny_config(num_layers=4, eos=(eos,))
+    engine = Engine(config, PARAMS, DRAFTERS["ngram"], max_len=MAX_LEN)
+    reference = Engine(config, PARAMS, max_len=MAX_LEN)
+    stats = engine.generate(PROMPTS, max_new_tokens=[7, 30, 64, 1])
+    assert [len(t) for t in stats.tokens] <= [7, 30, 64, 1]
+    for prompt, limit, tokens in zip(PROMPTS, [7, 30, 64, 1], stats.tokens):
+        assert tokens == reference.generate([prompt], max_new_tokens=limit).tokens[0]
+        assert len(tokens) == limit or tokens[-1] == eos
+    # Forcing an EOS early: a row whose every token is EOS stops after one.
+    forced = Engine(config, PARAMS, DRAFTERS["ngram"], max_len=MAX_LEN, eos_ids=tuple(range(config.vocab_size)))
+    assert [len(t) for t in forced.generate(PROMPTS, max_new_tokens=20).tokens] == [1, 1, 1, 1]
+
+
+def test_prompt_at_the_cache_limit():
+    drafter = DRAFTERS["ngram"]
+    engine = Engine(CONFIG, PARAMS, drafter, max_len=MAX_LEN)
+    new_tokens = 16
+    fits = MAX_LEN - new_tokens - drafter.num_nodes
+    prompt = [int(t) for t in np.random.default_rng(0).integers(0, CONFIG.vocab_size, fits)]
+    stats = engine.generate([prompt], max_new_tokens=new_tokens)
+    assert stats.tokens[0] == Engine(CONFIG, PARAMS, max_len=MAX_LEN).generate([prompt], max_new_tokens=new_tokens).tokens[0]
+    with pytest.raises(ValueError, match="cache slots"):
+        engine.generate([prompt + [1]], max_new_tokens=new_tokens)
+
+
+def test_bad_inputs_are_named():
+    engine = Engine(CONFIG, PARAMS, max_len=MAX_LEN)
+    with pytest.raises(ValueError, match="empty"):
+        engine.generate([[]])
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        engine.generate([[CONFIG.vocab_size]])
+    with pytest.raises(ValueError, match="sampling params are for 2 rows"):
+        engine.generate([[1]], SamplingParams.make(2))
+    other = tiny_config(vocab_size=CONFIG.vocab_size + 1, num_layers=1, hidden_size=16)
+    with pytest.raises(ValueError, match="vocabulary"):
+        Engine(CONFIG, PARAMS, DraftModelDrafter(other, tiny_params(other, 1)), max_len=MAX_LEN)
+    with pytest.raises(ValueError, match="vocabulary"):
+        eagle3_drafter(CONFIG, PARAMS).check_target(other)
+
+
+def test_new_prompts_do_not_recompile():
+    engine = Engine(CONFIG, PARAMS, DRAFTERS["eagle3-tree"], max_len=MAX_LEN)
+    engine.generate(PROMPTS, max_new_tokens=8)
+    sizes = [f._cache_size() for f in (engine._prefill_jit, engine._start_jit, engine._decode_jit)]
+    assert sizes == [1, 1, 1]
+    longer = [p * 3 for p in PROMPTS]
+    engine.generate(longer, SamplingParams.make(4, temperature=0.7, top_p=0.9), max_new_tokens=20, seed=3)
+    engine.generate(longer, max_new_tokens=12, on_step=lambda rows: None, steps_per_sync=2)
+    assert [f._cache_size() for f in (engine._prefill_jit, engine._start_jit, engine._decode_jit)] == sizes
+
+
+def test_streaming_matches_one_shot():
+    engine = Engine(CONFIG, PARAMS, DRAFTERS["ngram"], max_len=MAX_LEN)
+    seen = []
+    streamed = engine.generate(PROMPTS, max_new_tokens=24, on_step=seen.append, steps_per_sync=3)
+    assert streamed.tokens == engine.generate(PROMPTS, max_new_tokens=24).tokens
+    assert len(seen) > 1 and all(len(a) <= len(b) for a, b in zip(seen[0], seen[-1]))

@@ -1,0 +1,255 @@
+"""Parity of the Llama-family target with transformers on tiny random models, and the forward contract."""
+
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+import transformers
+
+from specjax import kv_cache, tree
+from specjax.checkpoints import hf
+from specjax.kv_cache import KVCache
+from specjax.models import llama
+from specjax.models.config import ModelConfig
+
+TINY = dict(
+    vocab_size=128,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=3,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    max_position_embeddings=512,
+)
+FAMILIES = {
+    "llama": lambda: transformers.LlamaConfig(
+        **TINY,
+        rope_theta=500000.0,
+        rope_scaling=dict(
+            rope_type="llama3",
+            factor=8.0,
+            low_freq_factor=1.0,
+            high_freq_factor=4.0,
+            original_max_position_embeddings=64,
+        ),
+    ),
+    "qwen2": lambda: transformers.Qwen2Config(**TINY),
+    "qwen3": lambda: transformers.Qwen3Config(**TINY, tie_word_embeddings=True),
+    "mistral": lambda: transformers.MistralConfig(**TINY, sliding_window=None),
+}
+CACHE_LEN = 64
+PREFILL_LEN = 16  # every prompt is right-padded to this, so each shape compiles once per family
+FEATURE_LAYERS = (2, 1, 0)  # any order; the configured (2, N//2, N-3) repeats layers for N = 3
+
+
+def randomize_(model: torch.nn.Module, seed: int = 0) -> None:
+    """Every weight random (biases and norms too, so each code path matters)."""
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" in name:
+                param.copy_(1.0 + 0.1 * torch.randn_like(param))
+            else:
+                param.normal_(0.0, 0.15)
+
+
+def build(name: str, path) -> tuple[torch.nn.Module, ModelConfig, dict]:
+    """A random transformers model of one family, saved and loaded back through our loader."""
+    hf_config = FAMILIES[name]()
+    hf_config._attn_implementation = "eager"
+    model = transformers.AutoModelForCausalLM.from_config(hf_config).eval()
+    randomize_(model)
+    model.save_pretrained(path)
+    config, params = hf.load(path)
+    return model, config, params
+
+
+@pytest.fixture(scope="module", params=list(FAMILIES))
+def family(request, tmp_path_factory):
+    """(torch model, config, float32 params) for each family."""
+    return build(request.param, tmp_path_factory.mktemp(request.param))
+
+
+@pytest.fixture(scope="module")
+def llama_family(tmp_path_factory):
+    """The llama family alone, for the family-independent mechanics."""
+    return build("llama", tmp_path_factory.mktemp("llama_only"))
+
+
+def causal(num_tokens: int) -> jax.Array:
+    return jnp.tril(jnp.ones((num_tokens, num_tokens), bool))
+
+
+@partial(jax.jit, static_argnames=("config", "chunk_size"))
+def extend(params, config, tokens, positions, cache, block_mask, chunk_size=256):
+    """Forward a block and write its entries at each row's offset (lengths unchanged)."""
+    out = llama.forward(
+        params, config, tokens, positions, cache, block_mask, feature_layers=FEATURE_LAYERS, chunk_size=chunk_size
+    )
+    return out, kv_cache.write(cache, out.k, out.v)
+
+
+def new_cache(config: ModelConfig, batch_size: int) -> KVCache:
+    return KVCache.init(config.num_layers, batch_size, CACHE_LEN, config.num_kv_heads, config.head_dim)
+
+
+def prefill(params, config, tokens: np.ndarray, lengths: np.ndarray):
+    """Prompts [B, T <= PREFILL_LEN] (row b valid up to lengths[b]) -> (ForwardOutput over PREFILL_LEN, cache)."""
+    batch, num_tokens = tokens.shape
+    padded = np.zeros((batch, PREFILL_LEN), np.int32)
+    padded[:, :num_tokens] = tokens
+    positions = jnp.broadcast_to(jnp.arange(PREFILL_LEN, dtype=jnp.int32), (batch, PREFILL_LEN))
+    out, cache = extend(params, config, jnp.asarray(padded), positions, new_cache(config, batch), causal(PREFILL_LEN))
+    return out, kv_cache.commit(cache, jnp.asarray(lengths))
+
+
+def decode(params, config, cache: KVCache, tokens: np.ndarray, chunk_size: int = 256):
+    """One token per row at position lengths[b] -> (logits [B, V], cache advanced by one)."""
+    tokens = jnp.asarray(tokens, jnp.int32)[:, None]
+    out, cache = extend(params, config, tokens, cache.lengths[:, None], cache, causal(1), chunk_size=chunk_size)
+    return out.logits[:, 0], kv_cache.commit(cache, jnp.ones_like(cache.lengths))
+
+
+def random_tokens(seed: int, *shape: int) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, TINY["vocab_size"], shape, dtype=np.int32)
+
+
+def test_prefill_logits_and_features_match_transformers(family):
+    model, config, params = family
+    tokens = random_tokens(1, 1, PREFILL_LEN)
+    with torch.no_grad():
+        expected = model(torch.from_numpy(tokens).long(), output_hidden_states=True)
+    out, _ = prefill(params, config, tokens, np.array([PREFILL_LEN]))
+    np.testing.assert_allclose(out.logits, expected.logits.numpy(), atol=1e-4, rtol=0)
+    hidden = np.concatenate([expected.hidden_states[i].numpy() for i in FEATURE_LAYERS], axis=-1)
+    np.testing.assert_allclose(out.features, hidden, atol=1e-4, rtol=0)
+    assert out.k.shape == (config.num_layers, 1, PREFILL_LEN, config.num_kv_heads, config.head_dim)
+
+
+def test_cached_decode_equals_full_forward(family):
+    _, config, params = family
+    tokens = random_tokens(2, 1, PREFILL_LEN)
+    full, _ = prefill(params, config, tokens, np.array([PREFILL_LEN]))
+    _, cache = prefill(params, config, tokens[:, :8], np.array([8]))
+    for t in range(8, PREFILL_LEN):
+        logits, cache = decode(params, config, cache, tokens[:, t])
+        np.testing.assert_allclose(logits, full.logits[:, t], atol=1e-5, rtol=0)
+    assert int(cache.lengths[0]) == PREFILL_LEN
+
+
+def test_tree_block_equals_each_root_to_leaf_path(family):
+    _, config, params = family
+    _, cache = prefill(params, config, random_tokens(3, 1, 6), np.array([6]))
+    draft_tree = tree.from_branching(1, [2, 2])  # 7 nodes, 4 leaves, every path 3 nodes long
+    node_tokens = jnp.asarray(random_tokens(4, 1, draft_tree.num_nodes))
+    positions = cache.lengths[:, None] + draft_tree.depths
+    tree_out, _ = extend(params, config, node_tokens, positions, cache, draft_tree.ancestor_mask())
+
+    # Each path runs as a chain in a block of the same size (one compile): the chain first, then
+    # filler entries that see only themselves and are ignored.
+    parents = np.asarray(draft_tree.parents[0])
+    leaves = sorted(set(range(draft_tree.num_nodes)) - set(parents.tolist()))
+    chain_mask = np.eye(draft_tree.num_nodes, dtype=bool)
+    chain_mask[:3, :3] = np.tril(np.ones((3, 3), bool))
+    chain_positions = cache.lengths[:, None] + jnp.arange(draft_tree.num_nodes)
+    for leaf in leaves:
+        path = [leaf]
+        while parents[path[-1]] >= 0:
+            path.append(int(parents[path[-1]]))
+        path = path[::-1]
+        chain_tokens = jnp.concatenate([node_tokens[:, path], node_tokens[:, : draft_tree.num_nodes - 3]], axis=1)
+        chain_out, _ = extend(params, config, chain_tokens, chain_positions, cache, jnp.asarray(chain_mask))
+        np.testing.assert_allclose(tree_out.logits[:, path], chain_out.logits[:, :3], atol=1e-5, rtol=0)
+
+
+def test_greedy_32_tokens_equal_transformers_generate(family):
+    model, config, params = family
+    prompt = random_tokens(5, 1, 7)
+    with torch.no_grad():
+        expected = model.generate(
+            torch.from_numpy(prompt).long(), max_new_tokens=32, do_sample=False, eos_token_id=None, pad_token_id=0
+        )[0, 7:].tolist()
+    out, cache = prefill(params, config, prompt, np.array([7]))
+    generated = [int(jnp.argmax(out.logits[0, 6]))]
+    while len(generated) < 32:
+        logits, cache = decode(params, config, cache, np.array([generated[-1]]))
+        generated.append(int(jnp.argmax(logits[0])))
+    assert generated == expected
+
+
+def test_batch_rows_of_different_lengths_equal_each_row_alone(llama_family):
+    _, config, params = llama_family
+    lengths = np.array([5, 9])
+    tokens = random_tokens(6, 2, 9)
+    next_tokens = random_tokens(7, 2, 3)
+    batch_out, cache = prefill(params, config, tokens, lengths)  # row 0 padded past 5: stale, then overwritten
+    batch_steps = [batch_out.logits[np.arange(2), lengths - 1]]
+    for step in range(3):
+        logits, cache = decode(params, config, cache, next_tokens[:, step])
+        batch_steps.append(logits)
+    for row in range(2):
+        row_out, row_cache = prefill(params, config, tokens[row : row + 1, : lengths[row]], lengths[row : row + 1])
+        np.testing.assert_allclose(batch_steps[0][row], row_out.logits[0, lengths[row] - 1], atol=1e-5, rtol=0)
+        for step in range(3):
+            logits, row_cache = decode(params, config, row_cache, next_tokens[row : row + 1, step])
+            np.testing.assert_allclose(batch_steps[step + 1][row], logits[0], atol=1e-5, rtol=0)
+
+
+def test_chunked_prefix_equals_whole_buffer_attention(llama_family):
+    _, config, params = llama_family
+    _, cache = prefill(params, config, random_tokens(8, 2, PREFILL_LEN), np.array([PREFILL_LEN, 11]))
+    for step in range(30):  # grow the prefix to 46 and 41 slots: several 8-slot chunks per row
+        _, cache = decode(params, config, cache, random_tokens(step, 2))
+    block = random_tokens(99, 2)
+    chunked, _ = decode(params, config, cache, block, chunk_size=8)
+    whole, _ = decode(params, config, cache, block)  # default 256, clipped to the 64-slot buffer
+    np.testing.assert_allclose(chunked, whole, atol=1e-5, rtol=0)
+    with pytest.raises(ValueError, match="multiple of chunk_size"):
+        llama.forward(params, config, jnp.asarray(block)[:, None], cache.lengths[:, None], cache, causal(1), chunk_size=24)
+
+
+def test_prefix_loop_runs_only_over_live_chunks():
+    """The prefix loop is a while loop bounded by the lengths, not a loop over the buffer."""
+    config = ModelConfig(
+        vocab_size=32, hidden_size=16, intermediate_size=32, num_layers=1, num_heads=2, num_kv_heads=1, head_dim=8
+    )
+    params = jax.eval_shape(partial(llama.init_params, config), jax.random.key(0))
+    cache = KVCache.init(1, 1, 4096, 1, 8)
+    tokens = jnp.zeros((1, 1), jnp.int32)
+    forward = partial(llama.forward, config=config, block_mask=causal(1))
+    assert "while" in str(jax.make_jaxpr(forward)(params, tokens=tokens, positions=tokens, cache=cache))
+
+
+def test_bfloat16_runs_and_is_close(llama_family, tmp_path):
+    model, config, params32 = llama_family
+    model.save_pretrained(tmp_path)
+    _, params16 = hf.load(tmp_path, jnp.bfloat16)
+    assert params16["layers"]["q_proj"].dtype == jnp.bfloat16
+    tokens = random_tokens(10, 1, PREFILL_LEN)
+    out32, _ = prefill(params32, config, tokens, np.array([PREFILL_LEN]))
+    out16, _ = prefill(params16, config, tokens, np.array([PREFILL_LEN]))
+    assert out16.logits.dtype == jnp.float32
+    scale = float(jnp.max(jnp.abs(out32.logits)))
+    assert float(jnp.max(jnp.abs(out16.logits - out32.logits))) < 0.05 * scale
+
+
+def test_config_from_hf_reads_families_and_rejects_unsupported():
+    llama3 = ModelConfig.from_hf(FAMILIES["llama"]().to_dict())
+    assert llama3.rope_scaling is not None and llama3.rope_scaling.factor == 8.0
+    assert llama3.rope_theta == 500000.0 and not llama3.attention_bias
+    assert ModelConfig.from_hf(FAMILIES["qwen2"]().to_dict()).attention_bias
+    qwen3 = ModelConfig.from_hf(FAMILIES["qwen3"]().to_dict())
+    assert qwen3.qk_norm and qwen3.tie_word_embeddings
+    windowed = ModelConfig.from_hf(transformers.MistralConfig(**TINY, sliding_window=128).to_dict())
+    assert windowed.max_position_embeddings == 128
+    # The transformers-4 format: rope_theta and rope_scaling at the top level.
+    old = {**TINY, "model_type": "llama", "rope_theta": 1e4, "rope_scaling": {"type": "linear", "factor": 2.0}}
+    with pytest.raises(ValueError, match="linear"):
+        ModelConfig.from_hf(old)
+    with pytest.raises(ValueError, match="gpt2"):
+        ModelConfig.from_hf({**TINY, "model_type": "gpt2"})
+    assert ModelConfig.from_hf({**TINY, "model_type": "llama", "num_hidden_layers": 30}).feature_layers() == (2, 15, 27)

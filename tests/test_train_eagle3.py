@@ -1,0 +1,266 @@
+"""EAGLE-3 training: TTT attention and loss, config loading, resume, data parallelism, learning."""
+
+import dataclasses
+import json
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from specjax import kv_cache
+from specjax.checkpoints.eagle3 import load_eagle3
+from specjax.kv_cache import KVCache
+from specjax.models import eagle3, llama
+from specjax.models.config import ModelConfig
+from train import data, trainer, ttt
+from train.config import load_config, make_config, parse_overrides
+
+TARGET = ModelConfig(
+    vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=4, num_heads=4, num_kv_heads=2, head_dim=8
+)
+DRAFT = eagle3.Eagle3Config.from_target(TARGET, draft_vocab_size=24)
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _synthetic(batch, length, seed=0):
+    keys = jax.random.split(jax.random.key(seed), 4)
+    embeddings = jax.random.normal(keys[0], (batch, length, 32))  # [B, T, H]
+    features = jax.random.normal(keys[1], (batch, length, 96))  # [B, T, 3H]
+    target_logits = 3 * jax.random.normal(keys[2], (batch, length, 24))  # [B, T, Vd]
+    in_vocab = jax.random.bernoulli(keys[3], 0.8, (batch, length))
+    loss_mask = jnp.arange(length)[None, :] >= jnp.array([[3], [5]])[:batch]
+    return embeddings, features, target_logits, in_vocab, loss_mask
+
+
+def test_ttt_step_k_equals_the_inference_chain():
+    """Step k at index t == the cached draft chain: prefix 0..t, then k one-token steps."""
+    params = eagle3.init_params(DRAFT, jax.random.key(0))
+    params = jax.tree.map(lambda p: p * 10 if p.ndim == 2 else p, params)  # sharp attention
+    embeddings, features, *_ = _synthetic(2, 9)
+    steps = ttt.ttt_logits(params, DRAFT, embeddings, features, num_steps=4)
+    hidden0 = eagle3.project_features(params, features)
+    forward = jax.jit(eagle3.forward, static_argnums=1, static_argnames="chunk_size")
+    for t in (4,):
+        cache = KVCache.init(1, 2, 16, DRAFT.num_kv_heads, DRAFT.head_dim)
+        positions = jnp.broadcast_to(jnp.arange(t + 1), (2, t + 1))
+        causal = jnp.tril(jnp.ones((t + 1, t + 1), bool))
+        out = forward(params, DRAFT, embeddings[:, 1 : t + 2], hidden0[:, : t + 1], positions, cache, causal, chunk_size=16)
+        cache = kv_cache.commit(kv_cache.write(cache, out.k, out.v), jnp.full((2,), t + 1))
+        np.testing.assert_allclose(out.logits[:, t], steps[0][:, t], atol=2e-4)
+        hidden = out.hidden[:, t : t + 1]
+        for k in range(1, 4):
+            out = forward(
+                params, DRAFT, embeddings[:, t + 1 + k : t + 2 + k], hidden,
+                jnp.full((2, 1), t + k), cache, jnp.ones((1, 1), bool), chunk_size=16,
+            )
+            cache = kv_cache.commit(kv_cache.write(cache, out.k, out.v), jnp.ones((2,), jnp.int32))
+            np.testing.assert_allclose(out.logits[:, 0], steps[k][:, t], atol=2e-4, err_msg=f"t={t} k={k}")
+            hidden = out.hidden
+
+
+def test_ttt_attention_is_causal_plus_diagonal():
+    """Dense attention with the explicit [T, (k+1)T] mask equals ttt_attention."""
+    keys = jax.random.split(jax.random.key(1), 7)
+    batch, length, dim = 2, 6, 8
+    q = jax.random.normal(keys[0], (batch, length, 4, dim))
+    step_keys = [jax.random.normal(keys[1 + i], (batch, length, 2, dim)) for i in range(3)]
+    step_values = [jax.random.normal(keys[4 + i], (batch, length, 2, dim)) for i in range(3)]
+    got = ttt.ttt_attention(q, step_keys[0], step_values[0], step_keys[1:], step_values[1:])
+    mask = np.concatenate([np.tril(np.ones((length, length), bool))] + [np.eye(length, dtype=bool)] * 2, 1)
+    all_k = jnp.repeat(jnp.concatenate(step_keys, 1), 2, axis=2)  # [B, 3T, Hq, D]
+    all_v = jnp.repeat(jnp.concatenate(step_values, 1), 2, axis=2)
+    scores = jnp.einsum("bthd,bshd->bhts", q, all_k) / np.sqrt(dim)
+    probs = jax.nn.softmax(jnp.where(mask, scores, -jnp.inf), -1)
+    np.testing.assert_allclose(got, jnp.einsum("bhts,bshd->bthd", probs, all_v), atol=1e-5)
+
+
+def test_ttt_loss_matches_a_per_position_reference():
+    params = eagle3.init_params(DRAFT, jax.random.key(2))
+    embeddings, features, target_logits, in_vocab, loss_mask = _synthetic(2, 10)
+    loss, stats = ttt.ttt_loss(
+        params, DRAFT, embeddings, features, target_logits, in_vocab, loss_mask, num_steps=3, decay=0.8
+    )
+    steps = np.asarray(ttt.ttt_logits(params, DRAFT, embeddings, features, num_steps=3))  # [K, B, T, Vd]
+    target_logits, in_vocab, loss_mask = map(np.asarray, (target_logits, in_vocab, loss_mask))
+    log_softmax = lambda x: x - x.max() - np.log(np.sum(np.exp(x - x.max())))
+    expected_total = 0.0
+    for k, logits in enumerate(steps):
+        losses, correct, response = [], 0, 0
+        for b in range(2):
+            for t in range(10 - 2 - k):
+                target_pos = t + 1 + k  # the draft at (t, k) predicts the target at t + 1 + k
+                if not loss_mask[b, target_pos + 1]:
+                    continue
+                response += 1
+                if not in_vocab[b, target_pos]:
+                    continue
+                p = np.exp(log_softmax(target_logits[b, target_pos]))
+                losses.append(-np.sum(p * log_softmax(logits[b, t])))
+                correct += int(np.argmax(logits[b, t]) == np.argmax(target_logits[b, target_pos]))
+        np.testing.assert_allclose(stats["loss"][k], np.mean(losses), rtol=1e-5)
+        assert stats["weight"][k] == len(losses) and stats["response"][k] == response
+        assert stats["correct"][k] == correct
+        expected_total += 0.8**k * np.mean(losses)
+    np.testing.assert_allclose(loss, expected_total, rtol=1e-5)
+    np.testing.assert_allclose(ttt.acceptance_length(jnp.array([0.5, 0.5, 0.0])), 1.75)
+
+
+def test_draft_vocab_is_most_frequent_response_tokens_sorted():
+    rows = data.TokenRows(
+        tokens=np.array([[9, 5, 5, 7, 7, 7, 1], [9, 9, 9, 9, 2, 3, 0]], np.int32),
+        loss_mask=np.array([[0, 1, 1, 1, 1, 1, 1], [0, 0, 0, 0, 1, 1, 0]], bool),
+    )
+    np.testing.assert_array_equal(data.draft_vocab_ids(rows, 3, 10), [1, 5, 7])  # 7:3, 5:2, then 1 < 2 < 3
+    np.testing.assert_array_equal(data.draft_vocab_ids(rows, 6, 10), [0, 1, 2, 3, 5, 7])  # filled with 0
+
+
+def test_batch_indices_are_a_function_of_the_step():
+    first_epoch = np.concatenate([data.batch_indices(10, 3, step, seed=1) for step in range(3)])
+    assert len(set(first_epoch)) == 9
+    np.testing.assert_array_equal(data.batch_indices(10, 3, 4, 1), data.batch_indices(10, 3, 4, 1))
+    assert not np.array_equal(data.batch_indices(10, 3, 0, 1), data.batch_indices(10, 3, 3, 1))
+
+
+def test_loss_mask_covers_assistant_turns_only():
+    tokenizer = _word_tokenizer()
+    messages = [
+        {"role": "user", "content": "hi there"},
+        {"role": "assistant", "content": "hello you"},
+        {"role": "user", "content": "bye"},
+        {"role": "assistant", "content": "see you"},
+    ]
+    tokens, mask = data.tokenize_conversation(tokenizer, messages)
+    words = tokenizer.convert_ids_to_tokens(tokens.tolist())
+    assert [w for w, m in zip(words, mask) if m] == ["hello", "you", "<end>", "see", "you", "<end>"]
+
+
+def _word_tokenizer():
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {w: i for i, w in enumerate("<unk> <end> <user> <bot> hi there hello you bye see".split())}
+    backend = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    template = (
+        "{% for m in messages %}{{ '<user> ' if m['role'] == 'user' else '<bot> ' }}{{ m['content'] }} <end> {% endfor %}"
+        "{% if add_generation_prompt %}<bot> {% endif %}"
+    )
+    return PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<unk>", chat_template=template)
+
+
+def test_config_unknown_keys_and_overrides(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("batch_size: 4\nlearning_rate: 3e-4\nbogus_key: 1\nanother: 2\n")
+    with pytest.raises(ValueError, match="another, bogus_key"):
+        load_config(path)
+    path.write_text("batch_size: 4\ndata_files: [a.jsonl]\n")
+    config = load_config(path, parse_overrides(["--learning-rate", "0.01", "--ttt_length", "3"]))
+    assert (config.batch_size, config.learning_rate, config.ttt_length) == (4, 0.01, 3)
+    assert config.data_files == ("a.jsonl",)
+    with pytest.raises(ValueError, match="batch_size"):
+        make_config({"batch_size": "four"})
+
+
+@pytest.mark.parametrize("name", ["eagle3_smollm2", "eagle3_llama31_8b", "eagle3_qwen3_8b", "eagle3_tiny"])
+def test_shipped_configs_load(name):
+    config = load_config(REPO / "configs" / f"{name}.yaml")
+    assert config.batch_size % max(config.data_parallel, 1) == 0
+
+
+def _setup(tmp_path, mesh_devices=1, **overrides):
+    """A tiny online-feature run over a sharpened random 4-layer target on repeating patterns."""
+    values = dict(
+        output_dir=str(tmp_path), seq_len=16, draft_vocab_size=24, ttt_length=2, batch_size=4, num_steps=6,
+        grad_accum_steps=2, learning_rate=1e-2, warmup_steps=1, checkpoint_every=3, log_every=1, eval_samples=4,
+        data_parallel=mesh_devices,
+    )
+    config = make_config({**values, **overrides})
+    target_params = llama.init_params(TARGET, jax.random.key(7))
+    target_params = {
+        **target_params,
+        "layers": jax.tree.map(lambda w: 5 * w, target_params["layers"]),
+        "lm_head": 50 * target_params["lm_head"],  # a peaked, context-dependent target distribution
+    }
+    patterns = np.random.default_rng(0).integers(0, 24, (24, 3))
+    tokens = np.stack([np.resize(p, 16) for p in patterns]).astype(np.int32)
+    mask = np.zeros_like(tokens, bool)
+    mask[:, 4:] = True
+    rows = data.TokenRows(tokens, mask)
+    vocab_ids = data.draft_vocab_ids(rows.subset(slice(0, 20)), 24, TARGET.vocab_size)
+    return trainer.Setup(
+        config=config,
+        target_config=TARGET,
+        target_params=target_params,
+        draft_config=DRAFT,
+        vocab=eagle3.DraftVocab.from_target_ids(jnp.asarray(vocab_ids), TARGET.vocab_size),
+        train_rows=rows.subset(slice(0, 20)),
+        eval_rows=rows.subset(slice(20, None)),
+        offline=None,
+        mesh=trainer.make_mesh(mesh_devices),
+    )
+
+
+@pytest.fixture(scope="module")
+def full_run(tmp_path_factory):
+    """6 updates of 2 accumulated micro-batches, uninterrupted."""
+    setup = _setup(tmp_path_factory.mktemp("full"))
+    state, records = trainer.train(setup)
+    return setup, state, records
+
+
+def test_resume_is_exact(tmp_path, full_run):
+    setup, _, full_records = full_run
+    _, first_half = trainer.train(_setup(tmp_path), stop_at=3)
+    assert [r["update"] for r in first_half] == [1, 2, 3]
+    _, second_half = trainer.train(_setup(tmp_path))
+    assert [r["update"] for r in second_half] == [4, 5, 6]
+    assert [r["total"] for r in first_half + second_half] == [r["total"] for r in full_records]
+    metrics = [json.loads(line) for line in (Path(setup.config.output_dir) / "metrics.jsonl").read_text().splitlines()]
+    assert len(metrics) == 6 and len(metrics[0]["acc"]) == 2 and "acceptance_length" in metrics[0]
+
+
+def test_loss_decreases_and_export_loads(full_run):
+    setup, state, records = full_run
+    totals = [r["total"] for r in records]
+    assert np.all(np.diff(totals) < 0) and totals[-1] < 0.92 * totals[0], totals
+    path = trainer.export(setup, state.params)
+    config, params, vocab = load_eagle3(path, target_vocab_size=TARGET.vocab_size)
+    assert config == DRAFT
+    np.testing.assert_array_equal(vocab.t2d, setup.vocab.t2d)
+    np.testing.assert_allclose(params["fc"], state.params["fc"], rtol=1e-2, atol=1e-3)  # bfloat16 export
+
+
+def test_data_parallel_step_matches_single_device(tmp_path):
+    assert len(jax.devices()) >= 4
+    results = []
+    for devices in (1, 4):
+        setup = _setup(tmp_path / str(devices), mesh_devices=devices)
+        state = trainer.init_state(setup)
+        batch = trainer.get_batch(setup, setup.train_rows, np.arange(4))
+        assert batch["tokens"].sharding.shard_shape(batch["tokens"].shape) == (4 // devices, 16)
+        state, stats = trainer.train_step(state, setup.target_params, setup.vocab, batch, **trainer._step_kwargs(setup))
+        results.append(jax.device_get((state.params, stats)))
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6), *results)
+
+
+@pytest.mark.slow
+def test_offline_features_match_online(tmp_path):
+    setup = _setup(tmp_path)
+    rows = data.TokenRows(
+        np.concatenate([setup.train_rows.tokens, setup.eval_rows.tokens]),
+        np.concatenate([setup.train_rows.loss_mask, setup.eval_rows.loss_mask]),
+    )
+    trainer.precompute_features(setup.target_params, TARGET, setup.vocab, rows, tmp_path / "features", 8)
+    offline = dataclasses.replace(
+        setup,
+        config=dataclasses.replace(setup.config, features="offline"),
+        target_params={"embed_tokens": setup.target_params["embed_tokens"]},
+        offline=data.OfflineFeatures.open(tmp_path / "features", len(rows)),
+    )
+    state = trainer.init_state(setup)
+    online_eval = trainer.evaluate(setup, state.params)
+    offline_eval = trainer.evaluate(offline, state.params)
+    np.testing.assert_allclose(online_eval["loss"], offline_eval["loss"], rtol=2e-2)
+    np.testing.assert_allclose(online_eval["acc"], offline_eval["acc"], atol=0.05)

@@ -1,0 +1,119 @@
+"""The EAGLE-3 training configuration: a frozen dataclass that a YAML file maps onto."""
+
+from __future__ import annotations
+
+import dataclasses
+import typing
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+    """Every knob of `python -m train.eagle3`; YAML keys are these field names."""
+
+    # Where things are.
+    target: str = ""  # target checkpoint: HF directory or .gguf ("" = the embedded SmolLM2)
+    tokenizer: str = ""  # HF directory or .gguf with the chat template ("" = the target)
+    data_files: tuple[str, ...] = ()  # json / jsonl / parquet conversations
+    output_dir: str = "runs/eagle3"  # orbax checkpoints, vocab, metrics
+    export_dir: str = ""  # EAGLE-3 HF layout at the end ("" = output_dir/draft)
+    export_dtype: str = "bfloat16"
+
+    # Data.
+    seq_len: int = 512
+    max_samples: int = 0  # 0 = all
+    eval_samples: int = 0  # held out from the end of the shuffled data
+    draft_vocab_size: int = 32000
+    features: str = "online"  # "online": target forward in the step; "offline": precomputed .npy
+    features_dir: str = ""  # offline features ("" = output_dir/features)
+
+    # Draft and loss.
+    ttt_length: int = 7
+    ttt_decay: float = 0.8
+    compute_dtype: str = "float32"  # or "bfloat16" (master weights stay float32)
+
+    # Optimisation.
+    batch_size: int = 8  # global sequences per micro-step
+    grad_accum_steps: int = 1
+    num_steps: int = 1000  # optimizer updates
+    learning_rate: float = 1e-4
+    warmup_steps: int = 50
+    final_lr_ratio: float = 0.1
+    weight_decay: float = 0.0
+    b1: float = 0.9
+    b2: float = 0.95
+    grad_clip: float = 0.5
+    seed: int = 0
+
+    # Parallelism: devices on the "data" mesh axis (0 = all).
+    data_parallel: int = 0
+
+    # Bookkeeping.
+    checkpoint_every: int = 100  # optimizer updates
+    keep_checkpoints: int = 2
+    log_every: int = 10
+    eval_every: int = 0  # 0 = only at the end
+
+    def __post_init__(self):
+        if self.features not in ("online", "offline"):
+            raise ValueError(f"features must be 'online' or 'offline', got {self.features!r}")
+        if self.compute_dtype not in ("float32", "bfloat16"):
+            raise ValueError(f"compute_dtype must be 'float32' or 'bfloat16', got {self.compute_dtype!r}")
+        if self.ttt_length < 1 or self.batch_size < 1 or self.grad_accum_steps < 1:
+            raise ValueError("ttt_length, batch_size and grad_accum_steps must be >= 1")
+
+    @property
+    def micro_steps(self) -> int:
+        return self.num_steps * self.grad_accum_steps
+
+    @property
+    def export_path(self) -> Path:
+        return Path(self.export_dir or Path(self.output_dir) / "draft")
+
+    @property
+    def features_path(self) -> Path:
+        return Path(self.features_dir or Path(self.output_dir) / "features")
+
+
+def _coerce(name: str, value: Any) -> Any:
+    """Check and convert one YAML value to the field's declared type."""
+    hint = typing.get_type_hints(TrainConfig)[name]
+    origin = typing.get_origin(hint)
+    if origin is tuple:
+        if isinstance(value, str):
+            value = [value]
+        if not isinstance(value, (list, tuple)):
+            raise ValueError(f"config key {name!r} must be a list, got {value!r}")
+        return tuple(str(item) for item in value)
+    if hint is float and isinstance(value, (int, float)) and not isinstance(value, bool):
+        return float(value)
+    if hint in (int, str, bool) and type(value) is hint:
+        return value
+    raise ValueError(f"config key {name!r} must be {getattr(hint, '__name__', hint)}, got {value!r}")
+
+
+def make_config(values: dict[str, Any]) -> TrainConfig:
+    """TrainConfig from a mapping; unknown keys and wrongly typed values are errors naming them."""
+    fields = {field.name: field for field in dataclasses.fields(TrainConfig)}
+    unknown = sorted(set(values) - set(fields))
+    if unknown:
+        raise ValueError(f"unknown config keys: {', '.join(unknown)}")
+    return TrainConfig(**{name: _coerce(name, value) for name, value in values.items()})
+
+
+def load_config(path: str | Path, overrides: dict[str, Any] | None = None) -> TrainConfig:
+    """Read a YAML config and apply overrides (already YAML-parsed values) on top."""
+    values = yaml.safe_load(Path(path).read_text()) or {}
+    if not isinstance(values, dict):
+        raise ValueError(f"{path}: a config is a mapping of keys to values")
+    return make_config({**values, **(overrides or {})})
+
+
+def parse_overrides(argv: list[str]) -> dict[str, Any]:
+    """`--key value` pairs (values parsed as YAML, so numbers and lists work) -> dict."""
+    if len(argv) % 2 or not all(arg.startswith("--") for arg in argv[::2]):
+        raise ValueError(f"overrides must be --key value pairs, got {argv}")
+    return {key[2:].replace("-", "_"): yaml.safe_load(value) for key, value in zip(argv[::2], argv[1::2])}

@@ -1,0 +1,152 @@
+"""Training data: chat conversations -> fixed-length token rows with a response mask.
+
+Conversations come from local json / jsonl / parquet files (via `datasets`), in any of the
+usual shapes: `conversations` or `messages` lists of {role, content}, or ShareGPT {from, value}.
+They are rendered with the target's chat template; the loss mask marks the tokens of assistant
+turns (what the template emits for the turn after the generation prompt, end-of-turn included).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "system": "system"}
+
+
+def load_tokenizer(path: str):
+    """A transformers tokenizer (with chat template) from an HF directory or a .gguf file."""
+    from transformers import AutoTokenizer
+
+    if path.endswith(".gguf"):
+        return AutoTokenizer.from_pretrained(str(Path(path).parent), gguf_file=Path(path).name)
+    return AutoTokenizer.from_pretrained(path)
+
+
+def _messages(record: dict[str, Any]) -> list[dict[str, str]]:
+    turns = record.get("conversations") or record.get("messages")
+    if turns is None:
+        raise ValueError(f"record has neither 'conversations' nor 'messages': {sorted(record)}")
+    messages = []
+    for turn in turns:
+        role = _ROLES.get(turn.get("role") or turn.get("from"))
+        if role is None:
+            raise ValueError(f"unknown role in turn {turn}")
+        messages.append({"role": role, "content": turn.get("content", turn.get("value"))})
+    return messages
+
+
+def load_conversations(files: tuple[str, ...] | list[str]) -> list[list[dict[str, str]]]:
+    """Every conversation in the files, in file order."""
+    import datasets
+
+    by_format: dict[str, list[str]] = {}
+    for file in files:
+        suffix = Path(file).suffix.lstrip(".")
+        kind = {"jsonl": "json", "json": "json", "parquet": "parquet"}.get(suffix)
+        if kind is None:
+            raise ValueError(f"{file}: data files must be .json, .jsonl or .parquet")
+        by_format.setdefault(kind, []).append(str(file))
+    conversations = []
+    for kind, paths in by_format.items():
+        dataset = datasets.load_dataset(kind, data_files=paths, split="train")
+        conversations += [_messages(record) for record in dataset]
+    return conversations
+
+
+def tokenize_conversation(tokenizer, messages: list[dict[str, str]]) -> tuple[np.ndarray, np.ndarray]:
+    """(tokens [T] int32, response mask [T] bool) of one conversation under the chat template."""
+    text = tokenizer.apply_chat_template(messages, tokenize=False)
+    spans = []  # character ranges of assistant turns
+    for i, message in enumerate(messages):
+        if message["role"] == "assistant":
+            before = tokenizer.apply_chat_template(messages[:i], tokenize=False, add_generation_prompt=True)
+            through = tokenizer.apply_chat_template(messages[: i + 1], tokenize=False)
+            if not text.startswith(through) or not through.startswith(before):
+                raise ValueError("chat template is not prefix-stable; cannot locate assistant turns")
+            spans.append((len(before), len(through)))
+    encoded = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+    tokens = np.asarray(encoded["input_ids"], np.int32)
+    starts = np.asarray([start for start, _ in encoded["offset_mapping"]])
+    mask = np.zeros(len(tokens), bool)
+    for begin, end in spans:
+        mask |= (starts >= begin) & (starts < end)
+    return tokens, mask
+
+
+@dataclasses.dataclass(frozen=True)
+class TokenRows:
+    """Conversations as fixed-length rows, right-padded with token 0 (mask False)."""
+
+    tokens: np.ndarray  # [N, T] int32
+    loss_mask: np.ndarray  # [N, T] bool, True on response tokens
+
+    def __len__(self) -> int:
+        return self.tokens.shape[0]
+
+    def subset(self, indices) -> TokenRows:
+        return TokenRows(self.tokens[indices], self.loss_mask[indices])
+
+
+def to_rows(samples: list[tuple[np.ndarray, np.ndarray]], seq_len: int) -> TokenRows:
+    """Truncate / pad to seq_len; rows without any response token are dropped."""
+    kept = [(t[:seq_len], m[:seq_len]) for t, m in samples if m[:seq_len].any()]
+    tokens = np.zeros((len(kept), seq_len), np.int32)
+    mask = np.zeros((len(kept), seq_len), bool)
+    for row, (t, m) in enumerate(kept):
+        tokens[row, : len(t)], mask[row, : len(m)] = t, m
+    return TokenRows(tokens, mask)
+
+
+def draft_vocab_ids(rows: TokenRows, draft_vocab_size: int, target_vocab_size: int) -> np.ndarray:
+    """[Vd] sorted target ids: the most frequent response tokens (ties: lower id first).
+
+    If the responses use fewer distinct tokens, the lowest unused ids fill the vocabulary.
+    """
+    counts = Counter(rows.tokens[rows.loss_mask].tolist())
+    ranked = sorted(counts, key=lambda token: (-counts[token], token))[:draft_vocab_size]
+    unused = np.setdiff1d(np.arange(target_vocab_size), ranked)[: draft_vocab_size - len(ranked)]
+    return np.sort(np.concatenate([np.asarray(ranked, np.int64), unused]))
+
+
+def batch_indices(num_rows: int, batch_size: int, micro_step: int, seed: int) -> np.ndarray:
+    """[batch_size] row indices of a micro-step: a fresh permutation per epoch, last partial batch dropped.
+
+    A pure function of the step, so resuming at any step replays exactly the same batches.
+    """
+    per_epoch = num_rows // batch_size
+    if per_epoch == 0:
+        raise ValueError(f"{num_rows} training rows cannot fill a batch of {batch_size}")
+    epoch, index = divmod(micro_step, per_epoch)
+    order = np.random.default_rng([seed, epoch]).permutation(num_rows)
+    return np.sort(order[index * batch_size : (index + 1) * batch_size])
+
+
+@dataclasses.dataclass(frozen=True)
+class OfflineFeatures:
+    """Precomputed target outputs for every training row, memory-mapped from .npy files."""
+
+    features: np.ndarray  # [N, T, 3H] float16, target hidden states at the feature layers
+    target_logits: np.ndarray  # [N, T, Vd] float16, target logits restricted to the draft vocab
+    in_vocab: np.ndarray  # [N, T] bool, target argmax (full vocab) is in the draft vocab
+
+    FILES = ("features", "target_logits", "in_vocab")
+
+    @classmethod
+    def open(cls, directory: Path, num_rows: int) -> OfflineFeatures:
+        arrays = {name: np.load(directory / f"{name}.npy", mmap_mode="r") for name in cls.FILES}
+        for name, array in arrays.items():
+            if array.shape[0] != num_rows:
+                raise ValueError(f"{directory}/{name}.npy has {array.shape[0]} rows, the data has {num_rows}")
+        return cls(**arrays)
+
+    @staticmethod
+    def exists(directory: Path) -> bool:
+        return all((directory / f"{name}.npy").exists() for name in OfflineFeatures.FILES)
+
+    def batch(self, indices: np.ndarray) -> dict[str, np.ndarray]:
+        return {name: np.asarray(getattr(self, name)[indices]) for name in self.FILES}
