@@ -30,7 +30,6 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-from specjax import sampling
 from specjax.sampling import SamplingParams
 from specjax.tree import Tree
 
@@ -61,6 +60,18 @@ def _residual(q: jax.Array, p: jax.Array) -> jax.Array:
     return jnp.where(mass > 0, excess / jnp.where(mass > 0, mass, 1.0), q)
 
 
+def _row_noise(key: jax.Array, num_tests: int, vocab: int) -> tuple[jax.Array, jax.Array]:
+    """One row's randomness from a single draw: num_tests acceptance uniforms in (0, 1) and
+    Gumbel noise [vocab] for the next token (one random call compiles far faster than several)."""
+    uniform = jax.random.uniform(key, (num_tests + vocab,), minval=jnp.finfo(jnp.float32).tiny)
+    return uniform[:num_tests], -jnp.log(-jnp.log(uniform[num_tests:]))
+
+
+def _draw(gumbel: jax.Array, probabilities: jax.Array) -> jax.Array:
+    """Gumbel-max: argmax(log p + gumbel) is distributed as p; zero-probability tokens never win."""
+    return jnp.argmax(jnp.log(probabilities) + gumbel).astype(jnp.int32)
+
+
 def emitted_tokens(verdict: Verdict, node_tokens: jax.Array) -> jax.Array:
     """The tokens a step emits, in order: accepted nodes' tokens, then next_token; -1 after.
 
@@ -84,11 +95,10 @@ def _chain_row(
     residual: Residual,
 ) -> tuple[jax.Array, jax.Array]:
     """(accepted, next_token) for one row of `chain`."""
-    num_draft = draft_tokens.shape[0]
-    accept_key, sample_key = jax.random.split(key)
+    num_draft, vocab = draft_probs.shape[0], target_probs.shape[1]
+    uniform, gumbel = _row_noise(key, num_draft, vocab)  # [N], [V]
     q_drafted = jnp.take_along_axis(target_probs[:-1], draft_tokens[:, None], axis=-1)[:, 0]  # [N]
     p_drafted = jnp.take_along_axis(draft_probs, draft_tokens[:, None], axis=-1)[:, 0]  # [N]
-    uniform = jax.random.uniform(accept_key, (num_draft,))  # [N]
     sampled_ok = uniform * p_drafted < q_drafted
     greedy_ok = draft_tokens == jnp.argmax(target_probs[:-1], axis=-1)
     ok = jnp.where(greedy, greedy_ok, sampled_ok)  # [N]
@@ -99,8 +109,7 @@ def _chain_row(
         p_stop = jnp.zeros_like(q_stop)
     else:
         p_stop = jnp.where(accepted < num_draft, draft_probs[jnp.minimum(accepted, num_draft - 1)], 0.0)
-    sampled_next = sampling.sample(sample_key, residual(q_stop, p_stop))
-    next_token = jnp.where(greedy, jnp.argmax(q_stop), sampled_next)
+    next_token = jnp.where(greedy, jnp.argmax(q_stop), _draw(gumbel, residual(q_stop, p_stop)))
     return accepted.astype(jnp.int32), next_token.astype(jnp.int32)
 
 
@@ -158,8 +167,8 @@ def _tree_row(
     is taken on a compressed vocabulary: one slot per node (q_parent of its token, 0 for a
     repeat of an earlier sibling's token) plus one slot for every other token. O(N^2 + V).
     """
-    num_nodes = node_tokens.shape[0]
-    accept_key, sample_key = jax.random.split(key)
+    num_nodes, vocab = target_probs.shape
+    uniform, gumbel = _row_noise(key, num_nodes, vocab)  # [N] (one per node), [V]
     nodes = jnp.arange(num_nodes)
     drafted = nodes > 0  # [N], the root is not a candidate
     parent = jnp.maximum(parents, 0)  # [N]
@@ -176,7 +185,6 @@ def _tree_row(
     compressed_tried = jnp.pad(tried_before.astype(compressed_q.dtype), ((0, 0), (0, 1)))  # [N, N + 1]
     r_when_tried = residual(compressed_q, compressed_tried)  # [N, N + 1]
     r_token = jnp.take_along_axis(r_when_tried, token_slot[:, None], axis=1)[:, 0]  # [N]
-    uniform = jax.random.uniform(accept_key, (num_nodes,))  # [N]
     greedy_ok = node_tokens == jnp.argmax(target_probs, axis=-1)[parent]
     ok = jnp.where(greedy, greedy_ok, uniform < r_token) & drafted  # [N]
     first_ok = ok & ~jnp.any(tried_before & ok[None, :], axis=1)  # [N], the child the walk takes
@@ -189,8 +197,7 @@ def _tree_row(
     # The stop node's children were all tried and rejected (none for a leaf: the bonus).
     q_stop = target_probs[stop]  # [V]
     children_mass = jnp.zeros_like(q_stop).at[node_tokens].add((parents == stop).astype(q_stop.dtype))  # [V]
-    sampled_next = sampling.sample(sample_key, residual(q_stop, children_mass))
-    next_token = jnp.where(greedy, jnp.argmax(q_stop), sampled_next)
+    next_token = jnp.where(greedy, jnp.argmax(q_stop), _draw(gumbel, residual(q_stop, children_mass)))
     return accepted.astype(jnp.int32), next_token.astype(jnp.int32), path.astype(jnp.int32)
 
 

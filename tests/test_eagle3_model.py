@@ -24,6 +24,9 @@ CONFIG = eagle3.Eagle3Config(
 )
 
 
+FORWARD = jax.jit(eagle3.forward, static_argnums=1, static_argnames="chunk_size")
+
+
 def _inputs(batch, length, seed=0):
     keys = jax.random.split(jax.random.key(seed), 3)
     embeddings = jax.random.normal(keys[0], (batch, length, CONFIG.hidden_size))  # [B, T, H]
@@ -51,12 +54,12 @@ def test_incremental_decode_matches_block(chunk_size):
     hidden = eagle3.project_features(params, features)
     positions = jnp.broadcast_to(jnp.arange(length), (batch, length))
     causal = jnp.tril(jnp.ones((length, length), bool))
-    full = eagle3.forward(
+    full = FORWARD(
         params, CONFIG, embeddings, hidden, positions, _empty_cache(batch, 16), causal
     )
 
     cache = _empty_cache(batch, 16)
-    out = eagle3.forward(
+    out = FORWARD(
         params,
         CONFIG,
         embeddings[:, :prefix],
@@ -69,7 +72,7 @@ def test_incremental_decode_matches_block(chunk_size):
     cache = kv_cache.commit(kv_cache.write(cache, out.k, out.v), jnp.full((batch,), prefix))
     logits = [out.logits]
     for t in range(prefix, length):
-        step = eagle3.forward(
+        step = FORWARD(
             params,
             CONFIG,
             embeddings[:, t : t + 1],
@@ -94,13 +97,13 @@ def test_cache_rows_of_different_lengths_ignore_stale_slots():
     hidden = eagle3.project_features(params, features)
     positions = jnp.broadcast_to(jnp.arange(6), (2, 6))
     cache = _empty_cache(2, 8)
-    out = eagle3.forward(
+    out = FORWARD(
         params, CONFIG, embeddings[:, :5], hidden[:, :5], positions[:, :5], cache,
         jnp.tril(jnp.ones((5, 5), bool)),
     )
     cache = kv_cache.write(cache, out.k, out.v).replace(lengths=jnp.array([5, 3]))
     noisy = cache.replace(k=cache.k.at[:, 1, 3:].set(100.0), v=cache.v.at[:, 1, 3:].set(-100.0))
-    query = lambda c: eagle3.forward(
+    query = lambda c: FORWARD(
         params, CONFIG, embeddings[:, 5:], hidden[:, 5:], positions[:, 5:], c, jnp.ones((1, 1), bool),
         chunk_size=4,
     ).logits

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-import jax
+import functools
+
 import numpy as np
 import pytest
 
@@ -25,16 +26,21 @@ PROMPTS = [
 DRAFTERS = all_drafters(CONFIG, PARAMS)
 
 
+@functools.cache
+def engine_for(method: str | None) -> Engine:
+    """One engine (one compilation) per method, shared by the tests."""
+    return Engine(CONFIG, PARAMS, DRAFTERS[method] if method else None, max_len=MAX_LEN)
+
+
 @pytest.fixture(scope="module")
 def autoregressive():
     """Greedy reference tokens: each prompt alone, plain autoregressive decoding."""
-    engine = Engine(CONFIG, PARAMS, max_len=MAX_LEN)
-    return [engine.generate([p], max_new_tokens=NEW_TOKENS).tokens[0] for p in PROMPTS]
+    return [engine_for(None).generate([p], max_new_tokens=NEW_TOKENS).tokens[0] for p in PROMPTS]
 
 
 @pytest.mark.parametrize("method", sorted(DRAFTERS))
 def test_greedy_speculative_equals_autoregressive(method, autoregressive):
-    engine = Engine(CONFIG, PARAMS, DRAFTERS[method], max_len=MAX_LEN)
+    engine = engine_for(method)
     single = engine.generate(PROMPTS[:1], max_new_tokens=NEW_TOKENS)
     assert single.tokens[0] == autoregressive[0]
     batch = engine.generate(PROMPTS, max_new_tokens=NEW_TOKENS)
@@ -46,14 +52,14 @@ def test_greedy_speculative_equals_autoregressive(method, autoregressive):
 def test_agreeing_drafts_are_fully_accepted():
     for method in ("draft-self", "oracle-tree"):
         drafter = DRAFTERS[method]
-        stats = Engine(CONFIG, PARAMS, drafter, max_len=MAX_LEN).generate(PROMPTS, max_new_tokens=NEW_TOKENS)
+        stats = engine_for(method).generate(PROMPTS, max_new_tokens=NEW_TOKENS)
         # Every verifier call accepts the whole path (the final, truncated one aside).
         assert stats.tau > drafter.max_depth + 0.5, method
         np.testing.assert_allclose(stats.acceptance_by_position, 1.0)
 
 
 def test_random_draft_is_mostly_rejected():
-    stats = Engine(CONFIG, PARAMS, DRAFTERS["draft-random"], max_len=MAX_LEN).generate(PROMPTS, max_new_tokens=NEW_TOKENS)
+    stats = engine_for("draft-random").generate(PROMPTS, max_new_tokens=NEW_TOKENS)
     assert stats.tau < 2.0
 
 
@@ -74,18 +80,18 @@ def test_rows_finish_at_different_times():
 
 def test_prompt_at_the_cache_limit():
     drafter = DRAFTERS["ngram"]
-    engine = Engine(CONFIG, PARAMS, drafter, max_len=MAX_LEN)
+    engine = engine_for("ngram")
     new_tokens = 16
     fits = MAX_LEN - new_tokens - drafter.num_nodes
     prompt = [int(t) for t in np.random.default_rng(0).integers(0, CONFIG.vocab_size, fits)]
     stats = engine.generate([prompt], max_new_tokens=new_tokens)
-    assert stats.tokens[0] == Engine(CONFIG, PARAMS, max_len=MAX_LEN).generate([prompt], max_new_tokens=new_tokens).tokens[0]
+    assert stats.tokens[0] == engine_for(None).generate([prompt], max_new_tokens=new_tokens).tokens[0]
     with pytest.raises(ValueError, match="cache slots"):
         engine.generate([prompt + [1]], max_new_tokens=new_tokens)
 
 
 def test_bad_inputs_are_named():
-    engine = Engine(CONFIG, PARAMS, max_len=MAX_LEN)
+    engine = engine_for(None)
     with pytest.raises(ValueError, match="empty"):
         engine.generate([[]])
     with pytest.raises(ValueError, match="outside the vocabulary"):
@@ -100,7 +106,7 @@ def test_bad_inputs_are_named():
 
 
 def test_new_prompts_do_not_recompile():
-    engine = Engine(CONFIG, PARAMS, DRAFTERS["eagle3-tree"], max_len=MAX_LEN)
+    engine = engine_for("eagle3-tree")
     engine.generate(PROMPTS, max_new_tokens=8)
     sizes = [f._cache_size() for f in (engine._prefill_jit, engine._start_jit, engine._decode_jit)]
     assert sizes == [1, 1, 1]
@@ -111,7 +117,7 @@ def test_new_prompts_do_not_recompile():
 
 
 def test_streaming_matches_one_shot():
-    engine = Engine(CONFIG, PARAMS, DRAFTERS["ngram"], max_len=MAX_LEN)
+    engine = engine_for("ngram")
     seen = []
     streamed = engine.generate(PROMPTS, max_new_tokens=24, on_step=seen.append, steps_per_sync=3)
     assert streamed.tokens == engine.generate(PROMPTS, max_new_tokens=24).tokens

@@ -24,6 +24,10 @@ DRAFT = eagle3.Eagle3Config.from_target(TARGET, draft_vocab_size=24)
 REPO = Path(__file__).resolve().parents[1]
 
 
+TTT_LOGITS = jax.jit(ttt.ttt_logits, static_argnums=(1, 4))
+TTT_LOSS = jax.jit(ttt.ttt_loss, static_argnums=1, static_argnames=("num_steps", "decay"))
+
+
 def _synthetic(batch, length, seed=0):
     keys = jax.random.split(jax.random.key(seed), 4)
     embeddings = jax.random.normal(keys[0], (batch, length, 32))  # [B, T, H]
@@ -39,7 +43,7 @@ def test_ttt_step_k_equals_the_inference_chain():
     params = eagle3.init_params(DRAFT, jax.random.key(0))
     params = jax.tree.map(lambda p: p * 10 if p.ndim == 2 else p, params)  # sharp attention
     embeddings, features, *_ = _synthetic(2, 9)
-    steps = ttt.ttt_logits(params, DRAFT, embeddings, features, num_steps=4)
+    steps = TTT_LOGITS(params, DRAFT, embeddings, features, 4)
     hidden0 = eagle3.project_features(params, features)
     forward = jax.jit(eagle3.forward, static_argnums=1, static_argnames="chunk_size")
     for t in (4,):
@@ -67,22 +71,23 @@ def test_ttt_attention_is_causal_plus_diagonal():
     q = jax.random.normal(keys[0], (batch, length, 4, dim))
     step_keys = [jax.random.normal(keys[1 + i], (batch, length, 2, dim)) for i in range(3)]
     step_values = [jax.random.normal(keys[4 + i], (batch, length, 2, dim)) for i in range(3)]
-    got = ttt.ttt_attention(q, step_keys[0], step_values[0], step_keys[1:], step_values[1:])
+    got = jax.jit(ttt.ttt_attention)(q, step_keys[0], step_values[0], step_keys[1:], step_values[1:])
     mask = np.concatenate([np.tril(np.ones((length, length), bool))] + [np.eye(length, dtype=bool)] * 2, 1)
-    all_k = jnp.repeat(jnp.concatenate(step_keys, 1), 2, axis=2)  # [B, 3T, Hq, D]
-    all_v = jnp.repeat(jnp.concatenate(step_values, 1), 2, axis=2)
-    scores = jnp.einsum("bthd,bshd->bhts", q, all_k) / np.sqrt(dim)
-    probs = jax.nn.softmax(jnp.where(mask, scores, -jnp.inf), -1)
-    np.testing.assert_allclose(got, jnp.einsum("bhts,bshd->bthd", probs, all_v), atol=1e-5)
+    all_k = np.repeat(np.concatenate(step_keys, 1), 2, axis=2)  # [B, 3T, Hq, D]
+    all_v = np.repeat(np.concatenate(step_values, 1), 2, axis=2)
+    scores = np.einsum("bthd,bshd->bhts", q, all_k) / np.sqrt(dim)
+    scores = np.exp(np.where(mask, scores - scores.max(-1, keepdims=True), -np.inf))
+    probs = scores / scores.sum(-1, keepdims=True)
+    np.testing.assert_allclose(got, np.einsum("bhts,bshd->bthd", probs, all_v), atol=1e-5)
 
 
 def test_ttt_loss_matches_a_per_position_reference():
     params = eagle3.init_params(DRAFT, jax.random.key(2))
     embeddings, features, target_logits, in_vocab, loss_mask = _synthetic(2, 10)
-    loss, stats = ttt.ttt_loss(
+    loss, stats = TTT_LOSS(
         params, DRAFT, embeddings, features, target_logits, in_vocab, loss_mask, num_steps=3, decay=0.8
     )
-    steps = np.asarray(ttt.ttt_logits(params, DRAFT, embeddings, features, num_steps=3))  # [K, B, T, Vd]
+    steps = np.asarray(TTT_LOGITS(params, DRAFT, embeddings, features, 3))  # [K, B, T, Vd]
     target_logits, in_vocab, loss_mask = map(np.asarray, (target_logits, in_vocab, loss_mask))
     log_softmax = lambda x: x - x.max() - np.log(np.sum(np.exp(x - x.max())))
     expected_total = 0.0

@@ -198,16 +198,16 @@ def forward(
 
     def layer_step(carry, layer_inputs):
         x, features = carry
-        w, layer = layer_inputs
+        w, layer, slot = layer_inputs
         if features is not None:
-            features = lax.dynamic_update_index_in_dim(features, x, jnp.asarray(slot_of_layer)[layer], 0)
+            features = lax.dynamic_update_index_in_dim(features, x, slot, 0)
         attn_out, k, v = _attention_block(config, w, x, layer, positions, inv_freq, cache, block_mask, chunk_size)
         x = x + attn_out
         x = x + _mlp_block(config, w, x)
         return (x, features), (k, v)
 
-    layer_ids = jnp.arange(config.num_layers, dtype=jnp.int32)
-    (hidden, features), (k_new, v_new) = lax.scan(layer_step, (hidden, features), (params["layers"], layer_ids))
+    layer_inputs = (params["layers"], jnp.arange(config.num_layers, dtype=jnp.int32), jnp.asarray(slot_of_layer))
+    (hidden, features), (k_new, v_new) = lax.scan(layer_step, (hidden, features), layer_inputs)
     if features is not None:
         order = [captured.index(layer) for layer in feature_layers]
         features = features[jnp.asarray(order)]  # [F, B, T, H]

