@@ -11,6 +11,7 @@ from specjax import checkpoints
 from specjax.drafters.base import Drafter
 from specjax.engine import Stats
 from specjax.models.config import ModelConfig
+from specjax import tokenizer as tokenizer_lib
 from specjax.tokenizer import Tokenizer
 
 METHODS = ("ar", "ngram", "draft", "eagle3")
@@ -45,7 +46,7 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
 def load_target(args: argparse.Namespace) -> tuple[ModelConfig, dict, Tokenizer]:
     path = args.model or checkpoints.default_model_path()
     config, params = checkpoints.load_model(path, DTYPES[args.dtype])
-    return config, params, Tokenizer.load(path)
+    return config, params, tokenizer_lib.load(path)
 
 
 def build_drafter(args: argparse.Namespace, config: ModelConfig, params) -> Drafter | None:
@@ -73,12 +74,13 @@ def build_drafter(args: argparse.Namespace, config: ModelConfig, params) -> Draf
     return Eagle3Drafter(head_config, head_params, vocab, config, params, depth=depth, top_k=top_k, tree_nodes=nodes)
 
 
-def method_summary(args: argparse.Namespace, stats: Stats) -> str:
-    """The closing lines: timings and speculation statistics."""
+def method_summary(args: argparse.Namespace, stats: Stats, compile_s: float) -> str:
+    """The closing lines: timings (compilation apart) and speculation statistics."""
     tokens = stats.num_generated
     lines = [
         f"[{args.method}] prefill {stats.prefill_s * 1e3:.0f} ms | decode {tokens} tokens in "
-        f"{stats.decode_s:.2f} s = {stats.decode_tokens_per_s:.1f} tokens/s | {len(stats.tokens)} row(s)"
+        f"{stats.decode_s:.2f} s = {stats.decode_tokens_per_s:.1f} tokens/s | {len(stats.tokens)} row(s) | "
+        f"compile {compile_s:.1f} s (excluded)"
     ]
     if args.method != "ar":
         per_position = " ".join(f"{a:.2f}" for a in stats.acceptance_by_position)

@@ -11,8 +11,6 @@ import argparse
 import json
 import sys
 
-import jax.numpy as jnp
-
 from infer.common import add_model_args, build_drafter, load_target, method_summary
 from specjax.engine import Engine
 from specjax.sampling import SamplingParams
@@ -69,6 +67,7 @@ def main(argv: list[str] | None = None) -> None:
     token_ids = [tokenizer.encode(p) for p in prompts]
     engine = Engine(config, params, drafter, max_len=args.max_len, eos_ids=tokenizer.eos_token_ids)
     sampling = SamplingParams.make(len(prompts), args.temperature, args.top_k, args.top_p, args.min_p)
+    compile_s = engine.warmup(len(prompts))
 
     stream = not args.no_stream and len(prompts) == 1
     printed = [""]
@@ -92,7 +91,7 @@ def main(argv: list[str] | None = None) -> None:
     else:
         for row, tokens in enumerate(stats.tokens):
             print(f"--- [{row}] {tokenizer.decode(tokens)}")
-    print(method_summary(args, stats))
+    print(method_summary(args, stats, compile_s))
 
 
 if __name__ == "__main__":

@@ -8,6 +8,7 @@ by a batched greedy loop over the specjax target forward with a KV cache.
 
     PYTHONPATH=. python scripts/build_smollm2_corpus.py --out data/smollm2_corpus.jsonl --num-prompts 2000
 
+`--reference-out` also writes the chatterbot dialogs with their human replies (free extra data).
 Each line: {"source": ..., "conversations": [{"role": "user", ...}, {"role": "assistant", ...}]}.
 Existing lines are kept and skipped, so an interrupted run resumes where it stopped.
 """
@@ -38,15 +39,29 @@ from train.data import load_tokenizer
 DOCS_DIR = Path("/usr/share/doc/python3.11/html/_sources")
 
 
-def chatterbot_prompts() -> list[str]:
-    """Every statement of the English chatterbot-corpus dialogs that is followed by a reply."""
+def chatterbot_dialogs() -> list[list[str]]:
+    """The English chatterbot-corpus dialogs: alternating user / bot turns."""
     import chatterbot_corpus
 
-    prompts = []
+    dialogs = []
     for path in sorted((Path(chatterbot_corpus.__file__).parent / "data" / "english").glob("*.yml")):
         for dialog in yaml.safe_load(path.read_text()).get("conversations", []):
-            prompts += [str(turn) for turn in dialog[:-1] if isinstance(turn, str)]
-    return prompts
+            if len(dialog) >= 2 and all(isinstance(turn, str) for turn in dialog):
+                dialogs.append(dialog[: len(dialog) // 2 * 2])
+    return dialogs
+
+
+def chatterbot_prompts() -> list[str]:
+    """Every statement of the chatterbot dialogs that is followed by a reply."""
+    return [turn for dialog in chatterbot_dialogs() for turn in dialog[:-1]]
+
+
+def write_reference_dialogs(path: Path) -> None:
+    """The chatterbot dialogs with their human-written replies (no generation needed)."""
+    with path.open("w") as file:
+        for dialog in chatterbot_dialogs():
+            turns = [{"role": ("user", "assistant")[i % 2], "content": text} for i, text in enumerate(dialog)]
+            file.write(json.dumps({"source": "chatterbot_reference", "conversations": turns}) + "\n")
 
 
 def _rst_sections(text: str) -> list[tuple[str, str]]:
@@ -154,9 +169,12 @@ def main() -> None:
     parser.add_argument("--max-new-tokens", type=int, default=192)
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--reference-out", type=Path, help="also write the chatterbot dialogs with their own replies")
     parser.add_argument("--time-budget", type=float, default=float("inf"), help="seconds; stop after this")
     args = parser.parse_args()
 
+    if args.reference_out:
+        write_reference_dialogs(args.reference_out)
     model_path = args.model or default_model_path()
     tokenizer = load_tokenizer(str(model_path))
     config, params = load_model(model_path, jnp.float32)

@@ -232,12 +232,9 @@ class Engine:
 
     # ----------------------------------------------------------------- host driver
 
-    def _initial_state(self, prompts: list[list[int]], key) -> DecodeState:
+    def _initial_state(self, history: np.ndarray, key) -> DecodeState:
         c = self.config
-        batch = len(prompts)
-        history = np.zeros((batch, self.max_len), np.int32)
-        for row, prompt in enumerate(prompts):
-            history[row, : len(prompt)] = prompt
+        batch = history.shape[0]
         dtype = jax.tree.leaves(self.params)[0].dtype
         return DecodeState(
             cache=kv.KVCache.init(c.num_layers, batch, self.max_len, c.num_kv_heads, c.head_dim, dtype),
@@ -293,8 +290,10 @@ class Engine:
         prompt_lengths = np.array([len(p) for p in prompts], np.int32)
 
         t0 = time.perf_counter()
-        state = self._initial_state(prompts, jax.random.key(seed))
-        tokens_np = np.asarray(state.history)
+        tokens_np = np.zeros((batch, self.max_len), np.int32)  # [B, S] the prompts, zero-padded
+        for row, prompt in enumerate(prompts):
+            tokens_np[row, : len(prompt)] = prompt
+        state = self._initial_state(tokens_np, jax.random.key(seed))
         chunk = self.prefill_chunk
         for start in range(0, int(prompt_lengths.max()), chunk):
             window = np.zeros((batch, chunk + 1), np.int32)
@@ -337,9 +336,15 @@ class Engine:
             tokens=tokens,
         )
 
+    def warmup(self, batch_size: int) -> float:
+        """Compile every function for this batch size; returns the seconds it took."""
+        start = time.perf_counter()
+        self.generate([[0]] * batch_size, max_new_tokens=2)
+        return time.perf_counter() - start
+
     def _outputs(self, state: DecodeState, prompt_lengths, max_new) -> list[list[int]]:
-        history = np.asarray(state.history)
-        generated = np.asarray(state.num_generated)
+        history = np.array(state.history)  # a copy: the state's buffers are donated to the next call
+        generated = np.array(state.num_generated)
         rows = []
         for row, start in enumerate(prompt_lengths):
             count = min(int(generated[row]), int(max_new[row]))

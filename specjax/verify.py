@@ -164,8 +164,8 @@ def _tree_row(
     Every node is tried at most once (when the walk sits at its parent), so each node gets its
     own uniform and all acceptance tests are evaluated at once; the walk follows, at each node,
     the first child that passes. A try only looks at q at the sibling tokens, so its residual
-    is taken on a compressed vocabulary: one slot per node (q_parent of its token, 0 for a
-    repeat of an earlier sibling's token) plus one slot for every other token. O(N^2 + V).
+    is taken on a compressed vocabulary of N slots: one per sibling (q_parent of its token, 0
+    for a repeat of an earlier sibling's token) and one for every other token. O(N^2 + V).
     """
     num_nodes, vocab = target_probs.shape
     uniform, gumbel = _row_noise(key, num_nodes, vocab)  # [N] (one per node), [V]
@@ -181,9 +181,9 @@ def _tree_row(
     slot_q = jnp.where(drafted & (token_slot == nodes), q_token, 0.0)  # [N], repeats hold no mass
     sibling_q = jnp.where(siblings, slot_q[None, :], 0.0)  # [N, N]
     other_q = jnp.maximum(1.0 - jnp.sum(sibling_q, axis=1, keepdims=True), 0.0)  # [N, 1]
-    compressed_q = jnp.concatenate([sibling_q, other_q], axis=1)  # [N, N + 1]
-    compressed_tried = jnp.pad(tried_before.astype(compressed_q.dtype), ((0, 0), (0, 1)))  # [N, N + 1]
-    r_when_tried = residual(compressed_q, compressed_tried)  # [N, N + 1]
+    # The root is nobody's sibling, so its column holds the mass of every other token.
+    compressed_q = jnp.where(nodes[None, :] == 0, other_q, sibling_q)  # [N, N]
+    r_when_tried = residual(compressed_q, tried_before.astype(compressed_q.dtype))  # [N, N]
     r_token = jnp.take_along_axis(r_when_tried, token_slot[:, None], axis=1)[:, 0]  # [N]
     greedy_ok = node_tokens == jnp.argmax(target_probs, axis=-1)[parent]
     ok = jnp.where(greedy, greedy_ok, uniform < r_token) & drafted  # [N]

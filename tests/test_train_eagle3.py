@@ -121,6 +121,15 @@ def test_draft_vocab_is_most_frequent_response_tokens_sorted():
     np.testing.assert_array_equal(data.draft_vocab_ids(rows, 6, 10), [0, 1, 2, 3, 5, 7])  # filled with 0
 
 
+def test_rows_truncate_pad_and_pack():
+    samples = [(np.arange(n, dtype=np.int32) + 1, np.arange(n) >= 2) for n in (3, 4, 9, 2)]
+    rows = data.to_rows(samples, 8)  # the last sample has no response token: dropped
+    np.testing.assert_array_equal(rows.tokens, [[1, 2, 3, 0, 0, 0, 0, 0], [1, 2, 3, 4, 0, 0, 0, 0], np.arange(8) + 1])
+    packed = data.to_rows(samples, 8, pack=True)
+    np.testing.assert_array_equal(packed.tokens, [[1, 2, 3, 1, 2, 3, 4, 0], np.arange(8) + 1])
+    np.testing.assert_array_equal(packed.loss_mask[0], [0, 0, 1, 0, 0, 1, 1, 0])
+
+
 def test_batch_indices_are_a_function_of_the_step():
     first_epoch = np.concatenate([data.batch_indices(10, 3, step, seed=1) for step in range(3)])
     assert len(set(first_epoch)) == 9

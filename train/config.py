@@ -24,6 +24,7 @@ class TrainConfig:
 
     # Data.
     seq_len: int = 512
+    pack: bool = False  # several whole conversations per row (see data.to_rows)
     max_samples: int = 0  # 0 = all
     eval_samples: int = 0  # held out from the end of the shuffled data
     draft_vocab_size: int = 32000

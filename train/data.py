@@ -92,12 +92,23 @@ class TokenRows:
         return TokenRows(self.tokens[indices], self.loss_mask[indices])
 
 
-def to_rows(samples: list[tuple[np.ndarray, np.ndarray]], seq_len: int) -> TokenRows:
-    """Truncate / pad to seq_len; rows without any response token are dropped."""
+def to_rows(samples: list[tuple[np.ndarray, np.ndarray]], seq_len: int, pack: bool = False) -> TokenRows:
+    """Truncate / pad to seq_len; rows without any response token are dropped.
+
+    pack: fill each row with consecutive whole conversations while they fit (no padding wasted;
+    a later conversation attends to the earlier ones, for the target and the draft alike).
+    """
     kept = [(t[:seq_len], m[:seq_len]) for t, m in samples if m[:seq_len].any()]
-    tokens = np.zeros((len(kept), seq_len), np.int32)
-    mask = np.zeros((len(kept), seq_len), bool)
-    for row, (t, m) in enumerate(kept):
+    grouped: list[list[tuple[np.ndarray, np.ndarray]]] = []
+    for sample in kept:
+        if pack and grouped and sum(len(t) for t, _ in grouped[-1]) + len(sample[0]) <= seq_len:
+            grouped[-1].append(sample)
+        else:
+            grouped.append([sample])
+    tokens = np.zeros((len(grouped), seq_len), np.int32)
+    mask = np.zeros((len(grouped), seq_len), bool)
+    for row, group in enumerate(grouped):
+        t, m = np.concatenate([t for t, _ in group]), np.concatenate([m for _, m in group])
         tokens[row, : len(t)], mask[row, : len(m)] = t, m
     return TokenRows(tokens, mask)
 

@@ -231,7 +231,8 @@ def train(setup: Setup, *, stop_at: int | None = None) -> tuple[TrainState, list
     last_update = min(stop_at or config.num_steps, config.num_steps)
     first_micro = int(state.micro_step)
     metrics_file = Path(config.output_dir) / "metrics.jsonl"
-    records, window, window_start = [], None, time.time()
+    records, window = [], None
+    last_log_time, last_log_micro = time.time(), first_micro
     tokens_per_micro = config.batch_size * config.seq_len
     progress = tqdm(
         total=last_update * accum, initial=first_micro, unit="batch", dynamic_ncols=True, desc="eagle3"
@@ -251,8 +252,9 @@ def train(setup: Setup, *, stop_at: int | None = None) -> tuple[TrainState, list
         records.append(record)
         window = None
         if update % config.log_every == 0 or update == last_update:
-            elapsed = time.time() - window_start
-            rate = tokens_per_micro * (micro + 1 - first_micro) / max(elapsed, 1e-9)
+            now = time.time()
+            rate = tokens_per_micro * (micro + 1 - last_log_micro) / max(now - last_log_time, 1e-9)
+            last_log_time, last_log_micro = now, micro + 1
             progress.set_postfix(loss=f"{record['total']:.3f}", acc_0=f"{record['acc'][0]:.3f}", tok_s=f"{rate:.0f}")
             with metrics_file.open("a") as file:
                 file.write(json.dumps({**record, "tokens_per_s": round(rate, 1)}) + "\n")
@@ -319,7 +321,7 @@ def prepare(config: TrainConfig) -> Setup:
         order = np.random.default_rng(config.seed).permutation(len(conversations))
         if config.max_samples:
             order = order[: config.max_samples]
-        rows = data.to_rows([data.tokenize_conversation(tokenizer, conversations[i]) for i in order], config.seq_len)
+        rows = data.to_rows([data.tokenize_conversation(tokenizer, conversations[i]) for i in order], config.seq_len, config.pack)
         np.savez(rows_file, tokens=rows.tokens, loss_mask=rows.loss_mask)
     num_train = len(rows) - config.eval_samples
     train_rows, eval_rows = rows.subset(slice(0, num_train)), rows.subset(slice(num_train, None))

@@ -39,7 +39,7 @@ GGUF_NAMES = {
 def unpermute(weight: np.ndarray, num_heads: int) -> np.ndarray:
     """Undo llama.cpp's Q/K row permutation of a torch-layout [out, in] weight."""
     rows, cols = weight.shape
-    return weight.reshape(num_heads, rows // num_heads // 2, 2, cols).reshape(rows, cols)
+    return weight.reshape(num_heads, rows // num_heads // 2, 2, cols).swapaxes(1, 2).reshape(rows, cols)
 
 
 def _field(reader: GGUFReader, key: str, default: Any = None) -> Any:
