@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 
 import jax.numpy as jnp
 import numpy as np
@@ -49,40 +50,72 @@ def load_target(args: argparse.Namespace) -> tuple[ModelConfig, dict, Tokenizer]
     return config, params, tokenizer_lib.load(path)
 
 
-def build_drafter(args: argparse.Namespace, config: ModelConfig, params) -> Drafter | None:
-    """The drafter named by --method, with its parameters."""
-    if args.method == "ar":
+@dataclasses.dataclass(frozen=True)
+class MethodSpec:
+    """A decoding method and its parameters: 'ar', 'ngram:5', 'draft:4', 'eagle3:5', 'eagle3:5,8,32'."""
+
+    method: str
+    num_spec: int = 5
+    tree: tuple[int, int, int] | None = None
+
+    @classmethod
+    def parse(cls, text: str) -> MethodSpec:
+        method, _, params = text.partition(":")
+        if method not in METHODS:
+            raise ValueError(f"unknown method {method!r} in {text!r}; choose from {', '.join(METHODS)}")
+        if not params:
+            return cls(method)
+        if params.count(",") == 2:
+            if method != "eagle3":
+                raise ValueError(f"{text!r}: only eagle3 drafts trees (DEPTH,TOPK,NODES)")
+            return cls(method, tree=parse_tree(params))
+        if not params.isdigit() or int(params) < 1:
+            raise ValueError(f"{text!r}: expected METHOD:N with N >= 1 drafted tokens, or eagle3:DEPTH,TOPK,NODES")
+        return cls(method, num_spec=int(params))
+
+    @property
+    def label(self) -> str:
+        if self.method == "ar":
+            return "ar"
+        if self.tree:
+            return f"{self.method}:" + ",".join(map(str, self.tree))
+        return f"{self.method}:{self.num_spec}"
+
+
+def build_drafter(spec: MethodSpec, config: ModelConfig, params, draft_path: str | None, dtype: str) -> Drafter | None:
+    """The drafter for a method spec, with its parameters."""
+    if spec.method == "ar":
         return None
-    if args.method == "ngram":
+    if spec.method == "ngram":
         from specjax.drafters.ngram import NgramDrafter
 
-        return NgramDrafter(num_draft=args.num_spec)
-    if args.method == "draft":
+        return NgramDrafter(num_draft=spec.num_spec)
+    if spec.method == "draft":
         from specjax.drafters.draft_model import DraftModelDrafter
 
-        if args.draft is None:
+        if draft_path is None:
             raise ValueError("--method draft needs --draft PATH (a small model sharing the target's tokenizer)")
-        draft_config, draft_params = checkpoints.load_model(args.draft, DTYPES[args.dtype])
-        return DraftModelDrafter(draft_config, draft_params, num_draft=args.num_spec)
+        draft_config, draft_params = checkpoints.load_model(draft_path, DTYPES[dtype])
+        return DraftModelDrafter(draft_config, draft_params, num_draft=spec.num_spec)
     from specjax.checkpoints.eagle3 import load_eagle3
     from specjax.drafters.eagle3 import Eagle3Drafter, default_draft_path
 
     head_config, head_params, vocab = load_eagle3(
-        args.draft or default_draft_path(), target_vocab_size=config.vocab_size, dtype=DTYPES[args.dtype]
+        draft_path or default_draft_path(), target_vocab_size=config.vocab_size, dtype=DTYPES[dtype]
     )
-    depth, top_k, nodes = args.tree or (args.num_spec, 1, args.num_spec)
+    depth, top_k, nodes = spec.tree or (spec.num_spec, 1, spec.num_spec)
     return Eagle3Drafter(head_config, head_params, vocab, config, params, depth=depth, top_k=top_k, tree_nodes=nodes)
 
 
-def method_summary(args: argparse.Namespace, stats: Stats, compile_s: float) -> str:
+def method_summary(label: str, stats: Stats, compile_s: float) -> str:
     """The closing lines: timings (compilation apart) and speculation statistics."""
     tokens = stats.num_generated
     lines = [
-        f"[{args.method}] prefill {stats.prefill_s * 1e3:.0f} ms | decode {tokens} tokens in "
+        f"[{label}] prefill {stats.prefill_s * 1e3:.0f} ms | decode {tokens} tokens in "
         f"{stats.decode_s:.2f} s = {stats.decode_tokens_per_s:.1f} tokens/s | {len(stats.tokens)} row(s) | "
         f"compile {compile_s:.1f} s (excluded)"
     ]
-    if args.method != "ar":
+    if stats.accepted_hist.shape[-1] > 1:
         per_position = " ".join(f"{a:.2f}" for a in stats.acceptance_by_position)
         lines.append(
             f"tau {stats.tau:.2f} tokens/verifier call | {int(np.sum(stats.calls))} calls | "

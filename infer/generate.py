@@ -11,7 +11,7 @@ import argparse
 import json
 import sys
 
-from infer.common import add_model_args, build_drafter, load_target, method_summary
+from infer.common import MethodSpec, add_model_args, build_drafter, load_target, method_summary
 from specjax.engine import Engine
 from specjax.sampling import SamplingParams
 
@@ -62,7 +62,8 @@ def read_prompts(args: argparse.Namespace, tokenizer) -> list[str]:
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     config, params, tokenizer = load_target(args)
-    drafter = build_drafter(args, config, params)
+    spec = MethodSpec(args.method, args.num_spec, args.tree)
+    drafter = build_drafter(spec, config, params, args.draft, args.dtype)
     prompts = read_prompts(args, tokenizer)
     token_ids = [tokenizer.encode(p) for p in prompts]
     engine = Engine(config, params, drafter, max_len=args.max_len, eos_ids=tokenizer.eos_token_ids)
@@ -91,7 +92,7 @@ def main(argv: list[str] | None = None) -> None:
     else:
         for row, tokens in enumerate(stats.tokens):
             print(f"--- [{row}] {tokenizer.decode(tokens)}")
-    print(method_summary(args, stats, compile_s))
+    print(method_summary(spec.label, stats, compile_s))
 
 
 if __name__ == "__main__":

@@ -265,6 +265,47 @@ class Engine:
                     f"{self.max_len} (raise max_len or shorten the prompt)"
                 )
 
+    def _validate(self, prompts, sampling, max_new_tokens) -> tuple[sampling_lib.SamplingParams, np.ndarray]:
+        batch = len(prompts)
+        sampling = sampling or sampling_lib.SamplingParams.make(batch)
+        if sampling.batch_size != batch:
+            raise ValueError(f"sampling params are for {sampling.batch_size} rows, got {batch} prompts")
+        max_new = np.broadcast_to(np.asarray(max_new_tokens, np.int32), (batch,))
+        if np.any(max_new < 1):
+            raise ValueError("max_new_tokens must be >= 1")
+        self._check_prompts(prompts, max_new)
+        return sampling, max_new
+
+    def _prefill(self, prompts, sampling, max_new: np.ndarray, seed: int) -> DecodeState:
+        """Run the prompts through the target (and drafter) in fixed-size chunks; sample token 1."""
+        batch = len(prompts)
+        prompt_lengths = np.array([len(p) for p in prompts], np.int32)
+        tokens_np = np.zeros((batch, self.max_len), np.int32)  # [B, S] the prompts, zero-padded
+        for row, prompt in enumerate(prompts):
+            tokens_np[row, : len(prompt)] = prompt
+        state = self._initial_state(tokens_np, jax.random.key(seed))
+        chunk = self.prefill_chunk
+        for start in range(0, int(prompt_lengths.max()), chunk):
+            window = np.zeros((batch, chunk + 1), np.int32)
+            end = min(start + chunk + 1, self.max_len)
+            window[:, : end - start] = tokens_np[:, start:end]
+            state = self._prefill_jit(
+                self.params,
+                self.drafter_params,
+                state,
+                PrefillChunk(
+                    tokens=jnp.asarray(window[:, :-1]),
+                    next_tokens=jnp.asarray(window[:, 1:]),
+                    positions=jnp.asarray(start + np.arange(chunk)[None, :].repeat(batch, 0)),
+                    start=jnp.asarray(np.minimum(prompt_lengths, start)),
+                    num_valid=jnp.asarray(np.clip(prompt_lengths - start, 0, chunk).astype(np.int32)),
+                    prompt_lengths=jnp.asarray(prompt_lengths),
+                ),
+            )
+        state = self._start_jit(state, sampling, jnp.asarray(max_new))
+        state.pending.block_until_ready()
+        return state
+
     def generate(
         self,
         prompts: list[list[int]],
@@ -279,45 +320,13 @@ class Engine:
         on_step, when given, is called with every row's tokens so far after each chunk of
         `steps_per_sync` decode steps (streaming); otherwise the whole loop runs on device.
         """
-        batch = len(prompts)
-        sampling = sampling or sampling_lib.SamplingParams.make(batch)
-        if sampling.batch_size != batch:
-            raise ValueError(f"sampling params are for {sampling.batch_size} rows, got {batch} prompts")
-        max_new = np.broadcast_to(np.asarray(max_new_tokens, np.int32), (batch,))
-        if np.any(max_new < 1):
-            raise ValueError("max_new_tokens must be >= 1")
-        self._check_prompts(prompts, max_new)
+        sampling, max_new = self._validate(prompts, sampling, max_new_tokens)
         prompt_lengths = np.array([len(p) for p in prompts], np.int32)
-
         t0 = time.perf_counter()
-        tokens_np = np.zeros((batch, self.max_len), np.int32)  # [B, S] the prompts, zero-padded
-        for row, prompt in enumerate(prompts):
-            tokens_np[row, : len(prompt)] = prompt
-        state = self._initial_state(tokens_np, jax.random.key(seed))
-        chunk = self.prefill_chunk
-        for start in range(0, int(prompt_lengths.max()), chunk):
-            window = np.zeros((batch, chunk + 1), np.int32)
-            end = min(start + chunk + 1, self.max_len)
-            window[:, : end - start] = tokens_np[:, start:end]
-            starts = np.minimum(prompt_lengths, start)
-            state = self._prefill_jit(
-                self.params,
-                self.drafter_params,
-                state,
-                PrefillChunk(
-                    tokens=jnp.asarray(window[:, :-1]),
-                    next_tokens=jnp.asarray(window[:, 1:]),
-                    positions=jnp.asarray(start + np.arange(chunk)[None, :].repeat(batch, 0)),
-                    start=jnp.asarray(starts),
-                    num_valid=jnp.asarray(np.clip(prompt_lengths - start, 0, chunk).astype(np.int32)),
-                    prompt_lengths=jnp.asarray(prompt_lengths),
-                ),
-            )
-        max_new_dev = jnp.asarray(max_new)
-        state = self._start_jit(state, sampling, max_new_dev)
-        state.pending.block_until_ready()
+        state = self._prefill(prompts, sampling, max_new, seed)
         t1 = time.perf_counter()
 
+        max_new_dev = jnp.asarray(max_new)
         stop = 0
         max_steps = int(max_new.max())  # every step emits at least one token
         while True:
@@ -335,6 +344,45 @@ class Engine:
             decode_s=t2 - t1,
             tokens=tokens,
         )
+
+    def profile_step(
+        self, prompts: list[list[int]], sampling=None, repeats: int = 10, seed: int = 0
+    ) -> dict[str, float]:
+        """Median seconds of the pieces of one decode step, after prefilling `prompts` (warm).
+
+        decode: a 1-token target forward; verify: the target over this method's N nodes;
+        draft: one `propose`; step: one whole decode step (draft, verify, commit, update).
+        """
+        sampling, max_new = self._validate(prompts, sampling, self.max_len - max(map(len, prompts)) - self.num_nodes)
+        state = self._prefill(prompts, sampling, max_new, seed)
+        batch = len(prompts)
+
+        def target_over(params, state, num_nodes):
+            chain = tree_lib.chain(batch, num_nodes - 1)
+            tokens = jnp.broadcast_to(state.pending[:, None], (batch, num_nodes))
+            positions = state.cache.lengths[:, None] + chain.depths
+            return self._target(params, tokens, positions, state.cache, chain.ancestor_mask()).logits
+
+        def draft(params, drafter_params, state):
+            ctx = StepContext(state.pending, state.cache.lengths, state.history, state.active)
+            return self._propose(drafter_params, state, jax.random.key(0), ctx, sampling)[1].tokens
+
+        pieces = {
+            "decode": (jax.jit(target_over, static_argnums=2), (self.params, state, 1)),
+            "verify": (jax.jit(target_over, static_argnums=2), (self.params, state, self.num_nodes)),
+            "draft": (jax.jit(draft), (self.params, self.drafter_params, state)),
+            "step": (jax.jit(self._step), (self.params, self.drafter_params, state, sampling, jnp.asarray(max_new))),
+        }
+        timings = {}
+        for name, (fn, args) in pieces.items():
+            jax.block_until_ready(fn(*args))  # compile
+            samples = []
+            for _ in range(repeats):
+                begin = time.perf_counter()
+                jax.block_until_ready(fn(*args))
+                samples.append(time.perf_counter() - begin)
+            timings[name] = float(np.median(samples))
+        return timings
 
     def warmup(self, batch_size: int) -> float:
         """Compile every function for this batch size; returns the seconds it took."""

@@ -14,6 +14,7 @@ from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 from safetensors import safe_open
@@ -86,13 +87,15 @@ def assemble_params(
 
 
 class _SafetensorsFiles(Mapping):
-    """Lazy name -> array view over open safetensors files."""
+    """Lazy name -> host array view over safetensors files opened with framework="flax"."""
 
     def __init__(self, handles: list[Any]):
         self._handle_of = {name: handle for handle in handles for name in handle.keys()}
 
-    def __getitem__(self, name: str):
-        return self._handle_of[name].get_tensor(name)
+    def __getitem__(self, name: str) -> np.ndarray:
+        # The flax framework reads bfloat16 (numpy's cannot); keep the copy on the host.
+        with jax.default_device(jax.devices("cpu")[0]):
+            return np.asarray(self._handle_of[name].get_tensor(name))
 
     def __iter__(self) -> Iterator[str]:
         return iter(self._handle_of)
@@ -123,7 +126,6 @@ def load(path: str | Path, dtype=jnp.float32) -> tuple[ModelConfig, llama.Params
     """Load a Hugging Face checkpoint directory into (config, params) of the given dtype."""
     config = load_config(path)
     with contextlib.ExitStack() as stack:
-        # framework="flax" reads bfloat16 too (numpy alone cannot).
         handles = [stack.enter_context(safe_open(f, framework="flax")) for f in weight_files(path)]
         tensors = _SafetensorsFiles(handles)
         ignored = {name for name in tensors if name.endswith("rotary_emb.inv_freq")}

@@ -1,0 +1,182 @@
+"""python -m infer.bench: decoding methods side by side, in one process, warm.
+
+    python -m infer.bench --methods ar,ngram:5,eagle3:5,eagle3:4,4,16 --batch-sizes 1,4 --prompts code
+
+For every method and batch size: tau (tokens per verifier call, bonus included), acceptance by
+draft position, decode tokens/s, speedup over autoregressive decoding at the same batch size,
+the measured cost ratios c = T_draft / T_decode and T_verify(N) / T_decode, and the fraction of
+the cost-model bound tau * T_decode / (T_verify(N) + T_draft) that the engine reaches.
+Compilation is excluded (a warm-up run first); times are medians over --repeats runs.
+Greedy decoding by default, so every method emits the same tokens.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+from tqdm import tqdm
+
+from infer import prompts as prompt_sets
+from infer.common import MethodSpec, add_model_args, build_drafter, load_target
+from specjax.engine import Engine
+from specjax.sampling import SamplingParams
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m infer.bench", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_model_args(parser)
+    parser.add_argument("--methods", default="ar,ngram:5,eagle3:5", help="methods to compare, e.g. ar,ngram:5,eagle3:5,eagle3:4,4,16 (ar is always included)")
+    parser.add_argument("--batch-sizes", default="1,4")
+    parser.add_argument("--prompts", default="code", help="built-in set (chat, code) or a jsonl file")
+    parser.add_argument("--num-prompts", type=int, default=4, help="prompts per batch-size run (cycled to fill batches)")
+    parser.add_argument("--max-new-tokens", type=int, default=96)
+    parser.add_argument("--temperature", type=float, default=0.0)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--out", default="bench.json", help="JSON results")
+    parser.add_argument("--plots", default=None, help="directory for PNG plots (speedup, acceptance)")
+    args = parser.parse_args(argv)
+    args.method_specs = split_methods(args.methods)
+    args.batch_size_list = [int(b) for b in args.batch_sizes.split(",")]
+    return args
+
+
+def split_methods(text: str) -> list[MethodSpec]:
+    """'ar,ngram:5,eagle3:4,4,16' -> specs; a number after a tree's first field continues it."""
+    specs, parts = [], text.replace(";", ",").split(",")
+    index = 0
+    while index < len(parts):
+        part = parts[index]
+        if part.startswith("eagle3:") and index + 2 < len(parts) and parts[index + 1].isdigit() and parts[index + 2].isdigit():
+            part = ",".join(parts[index : index + 3])
+            index += 2
+        specs.append(MethodSpec.parse(part))
+        index += 1
+    if not specs or specs[0].method != "ar":
+        specs.insert(0, MethodSpec("ar"))  # the baseline every speedup is measured against
+    return specs
+
+
+def run_one(engine: Engine, batches: list[list[list[int]]], args, temperature: float) -> dict:
+    """Warm-up, then --repeats timed passes over all batches; medians of the decode time."""
+    batch_size = len(batches[0])
+    sampling = SamplingParams.make(batch_size, temperature)
+    engine.generate(batches[0], sampling, max_new_tokens=4)
+    decode_s, hist, tokens = [], None, 0
+    for _ in range(args.repeats):
+        total, tokens, hist = 0.0, 0, None
+        for batch in batches:
+            stats = engine.generate(batch, sampling, max_new_tokens=args.max_new_tokens)
+            total += stats.decode_s
+            tokens += stats.num_generated - len(batch)  # the first token comes from prefill
+            hist = stats.accepted_hist.sum(0) if hist is None else hist + stats.accepted_hist.sum(0)
+        decode_s.append(total)
+    timings = engine.profile_step(batches[0], sampling)
+    reached = np.cumsum(hist[::-1])[::-1]
+    calls = hist.sum()
+    return {
+        "decode_s": float(np.median(decode_s)),
+        "tokens": int(tokens),
+        "tokens_per_s": float(tokens / np.median(decode_s)),
+        "tau": float((hist * (np.arange(hist.size) + 1)).sum() / max(calls, 1)),
+        "acceptance_by_position": (reached[1:] / np.maximum(reached[:-1], 1)).tolist(),
+        "t_decode_ms": timings["decode"] * 1e3,
+        "t_verify_ms": timings["verify"] * 1e3,
+        "t_draft_ms": timings["draft"] * 1e3,
+        "t_step_ms": timings["step"] * 1e3,
+    }
+
+
+def summarise(results: list[dict]) -> None:
+    """Add speedup, cost ratios and the cost-model bound, relative to ar at the same batch size."""
+    baseline = {r["batch_size"]: r for r in results if r["method"] == "ar"}
+    for r in results:
+        ar = baseline[r["batch_size"]]
+        r["speedup"] = r["tokens_per_s"] / ar["tokens_per_s"]
+        r["c"] = r["t_draft_ms"] / r["t_decode_ms"]
+        r["verify_over_decode"] = r["t_verify_ms"] / r["t_decode_ms"]
+        r["bound"] = r["tau"] * r["t_decode_ms"] / (r["t_verify_ms"] + (r["t_draft_ms"] if r["method"] != "ar" else 0.0))
+        r["fraction_of_bound"] = r["speedup"] / r["bound"]
+
+
+def table(results: list[dict]) -> str:
+    header = f"{'method':<16}{'batch':>6}{'tau':>7}{'tok/s':>9}{'speedup':>9}{'c':>7}{'Tv/Td':>7}{'bound':>7}{'of bound':>9}  acceptance by position"
+    lines = [header, "-" * len(header)]
+    for r in results:
+        accept = " ".join(f"{a:.2f}" for a in r["acceptance_by_position"])
+        lines.append(
+            f"{r['method']:<16}{r['batch_size']:>6}{r['tau']:>7.2f}{r['tokens_per_s']:>9.1f}{r['speedup']:>9.2f}"
+            f"{r['c']:>7.2f}{r['verify_over_decode']:>7.2f}{r['bound']:>7.2f}{r['fraction_of_bound']:>9.2f}  {accept}"
+        )
+    return "\n".join(lines)
+
+
+def plot(results: list[dict], directory: str) -> list[Path]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    out = Path(directory)
+    out.mkdir(parents=True, exist_ok=True)
+    methods = list(dict.fromkeys(r["method"] for r in results))
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for method in methods:
+        rows = [r for r in results if r["method"] == method]
+        ax.plot([r["batch_size"] for r in rows], [r["speedup"] for r in rows], marker="o", label=method)
+    ax.set(xlabel="batch size", ylabel="speedup over autoregressive", title="Speedup by batch size")
+    ax.axhline(1.0, color="gray", lw=0.8)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(out / "speedup.png", dpi=120)
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for method in methods[1:]:
+        row = next(r for r in results if r["method"] == method)
+        curve = row["acceptance_by_position"]
+        ax.plot(range(1, len(curve) + 1), curve, marker="o", label=f"{method} (batch {row['batch_size']})")
+    ax.set(xlabel="draft position", ylabel="P(accepted | reached)", ylim=(0, 1.05), title="Acceptance by position")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(out / "acceptance.png", dpi=120)
+    plt.close("all")
+    return [out / "speedup.png", out / "acceptance.png"]
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+    args = parse_args(argv)
+    config, params, tokenizer = load_target(args)
+    texts = prompt_sets.load(args.prompts)[: args.num_prompts]
+    token_ids = [tokenizer.encode(tokenizer.chat_prompt(text)) for text in texts]
+    results = []
+    runs = [(spec, b) for spec in args.method_specs for b in args.batch_size_list]
+    progress = tqdm(runs, desc="bench", unit="run")
+    engines: dict[MethodSpec, Engine] = {}
+    for spec, batch_size in progress:
+        progress.set_postfix_str(f"{spec.label} batch {batch_size}")
+        if spec not in engines:
+            drafter = build_drafter(spec, config, params, args.draft, args.dtype)
+            engines[spec] = Engine(config, params, drafter, max_len=args.max_len, eos_ids=tokenizer.eos_token_ids)
+        cycled = [token_ids[i % len(token_ids)] for i in range(max(batch_size, len(token_ids)))]
+        batches = [cycled[i : i + batch_size] for i in range(0, len(cycled) - batch_size + 1, batch_size)]
+        result = run_one(engines[spec], batches, args, args.temperature)
+        results.append({"method": spec.label, "batch_size": batch_size, **result})
+    summarise(results)
+    print(table(results))
+    meta = {k: v for k, v in vars(args).items() if k not in ("method_specs", "batch_size_list")}
+    Path(args.out).write_text(json.dumps({"args": meta, "results": results}, indent=2) + "\n")
+    print(f"wrote {args.out}")
+    if args.plots:
+        for path in plot(results, args.plots):
+            print(f"wrote {path}")
+    return results
+
+
+if __name__ == "__main__":
+    try:
+        main()
+    except ValueError as error:
+        sys.exit(f"error: {error}")

@@ -1,0 +1,89 @@
+"""Built-in prompt sets for bench and tune: everyday chat, and code to repeat or edit."""
+
+from __future__ import annotations
+
+import json
+
+CHAT = [
+    "What are three tips for staying focused while studying?",
+    "Explain the difference between weather and climate in simple terms.",
+    "Write a short, friendly email inviting a colleague to lunch on Friday.",
+    "Why is the sky blue? Answer in a few sentences.",
+    "Give me a recipe for a simple tomato pasta.",
+    "What is the capital of Australia, and why is it not Sydney?",
+    "Summarize the plot of Romeo and Juliet in three sentences.",
+    "How do I politely decline an invitation to a party?",
+]
+
+_SNIPPETS = [
+    '''def mean(values):
+    total = 0
+    for value in values:
+        total += value
+    return total / len(values)
+
+
+def variance(values):
+    centre = mean(values)
+    total = 0
+    for value in values:
+        total += (value - centre) ** 2
+    return total / len(values)''',
+    '''class Stack:
+    def __init__(self):
+        self.items = []
+
+    def push(self, item):
+        self.items.append(item)
+
+    def pop(self):
+        return self.items.pop()
+
+    def is_empty(self):
+        return len(self.items) == 0''',
+    '''def read_config(path):
+    config = {}
+    with open(path) as file:
+        for line in file:
+            line = line.strip()
+            if not line or line.startswith("#"):
+                continue
+            key, value = line.split("=", 1)
+            config[key.strip()] = value.strip()
+    return config''',
+    '''def binary_search(items, target):
+    low, high = 0, len(items) - 1
+    while low <= high:
+        middle = (low + high) // 2
+        if items[middle] == target:
+            return middle
+        if items[middle] < target:
+            low = middle + 1
+        else:
+            high = middle - 1
+    return -1''',
+]
+
+CODE = [
+    f"{instruction}\n\n```python\n{snippet}\n```"
+    for snippet in _SNIPPETS
+    for instruction in (
+        "Add a docstring to every function in this code and repeat the whole code:",
+        "Rename the variables in this code to shorter names and show the full result:",
+    )
+]
+
+BUILT_IN = {"chat": CHAT, "code": CODE}
+
+
+def load(name_or_path: str) -> list[str]:
+    """A built-in set ('chat', 'code') or a jsonl file with a 'prompt' per line."""
+    if name_or_path in BUILT_IN:
+        return list(BUILT_IN[name_or_path])
+    try:
+        with open(name_or_path) as f:
+            return [json.loads(line)["prompt"] for line in f if line.strip()]
+    except FileNotFoundError:
+        raise ValueError(f"prompt set {name_or_path!r} is neither built in ({', '.join(BUILT_IN)}) nor a file") from None
+    except (KeyError, json.JSONDecodeError) as error:
+        raise ValueError(f"{name_or_path}: every line must be a JSON object with a 'prompt' key ({error})") from None
