@@ -46,16 +46,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def split_methods(text: str) -> list[MethodSpec]:
-    """'ar,ngram:5,eagle3:4,4,16' -> specs; a number after a tree's first field continues it."""
-    specs, parts = [], text.replace(";", ",").split(",")
-    index = 0
-    while index < len(parts):
-        part = parts[index]
-        if part.startswith("eagle3:") and index + 2 < len(parts) and parts[index + 1].isdigit() and parts[index + 2].isdigit():
-            part = ",".join(parts[index : index + 3])
-            index += 2
-        specs.append(MethodSpec.parse(part))
-        index += 1
+    """'ar,ngram:5,eagle3:4,4,16' -> specs; a bare number continues the spec before it."""
+    labels: list[str] = []
+    for part in text.replace(";", ",").split(","):
+        if part.isdigit() and labels:
+            labels[-1] += "," + part
+        else:
+            labels.append(part)
+    specs = [MethodSpec.parse(label) for label in labels]
     if not specs or specs[0].method != "ar":
         specs.insert(0, MethodSpec("ar"))  # the baseline every speedup is measured against
     return specs

@@ -68,6 +68,7 @@ def main(argv: list[str] | None = None) -> None:
     token_ids = [tokenizer.encode(p) for p in prompts]
     engine = Engine(config, params, drafter, max_len=args.max_len, eos_ids=tokenizer.eos_token_ids)
     sampling = SamplingParams.make(len(prompts), args.temperature, args.top_k, args.top_p, args.min_p)
+    engine.validate(token_ids, sampling, args.max_new_tokens)  # fail before compiling
     compile_s = engine.warmup(len(prompts))
 
     stream = not args.no_stream and len(prompts) == 1

@@ -14,11 +14,11 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
+from collections.abc import Callable
 from functools import partial
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import torch
 import transformers
 from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
@@ -63,15 +63,16 @@ def verify_block(params, config, tokens, cache):
     return llama.forward(params, config, tokens, positions, cache, jnp.tril(jnp.ones((num_new, num_new), bool))).logits
 
 
-def median_ms(run, repeats: int, per: int = 1) -> float:
-    """Median wall time of run() in ms, divided by `per`; one untimed warm-up call first."""
-    run()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
+def interleaved_medians(runs: dict[str, Callable[[], float]], repeats: int) -> dict[str, float]:
+    """Median of each run's result (ms). Runs take turns, one untimed round first, so a change
+    in machine load during the benchmark hits every configuration alike."""
+    for run in runs.values():
         run()
-        times.append((time.perf_counter() - start) * 1e3 / per)
-    return statistics.median(times)
+    results = {name: [] for name in runs}
+    for _ in range(repeats):
+        for name, run in runs.items():
+            results[name].append(run())
+    return {name: statistics.median(values) for name, values in results.items()}
 
 
 def specjax_greedy(params, config, prompt, num_tokens: int, max_len: int) -> list[int]:
@@ -84,12 +85,12 @@ def specjax_greedy(params, config, prompt, num_tokens: int, max_len: int) -> lis
     return [int(t[0]) for t in jax.block_until_ready(generated)]
 
 
-def specjax_decode_ms(params, config, prompt, num_tokens: int, max_len: int, repeats: int) -> float:
-    """ms per decoded token (prefill excluded): median over repeats of a num_tokens greedy loop."""
+def specjax_decode(params, config, prompt, num_tokens: int, max_len: int) -> Callable[[], float]:
+    """A run: ms per decoded token over a num_tokens greedy loop after the prompt (prefill excluded)."""
     fresh = KVCache.init(config.num_layers, 1, max_len, config.num_kv_heads, config.head_dim)
     first, prefilled = prefill(params, config, jnp.asarray([prompt], jnp.int32), fresh)
 
-    def run():
+    def run() -> float:
         token, cache = first, jax.tree.map(jnp.copy, prefilled)  # decode_step donates its cache
         jax.block_until_ready(cache)
         start = time.perf_counter()
@@ -98,8 +99,19 @@ def specjax_decode_ms(params, config, prompt, num_tokens: int, max_len: int, rep
         jax.block_until_ready(token)
         return (time.perf_counter() - start) * 1e3 / num_tokens
 
-    run()
-    return statistics.median(run() for _ in range(repeats))
+    return run
+
+
+def specjax_verify(params, config, cache, tokens, calls: int = 3) -> Callable[[], float]:
+    """A run: ms per verify_block call (mean of `calls` back-to-back calls)."""
+
+    def run() -> float:
+        start = time.perf_counter()
+        for _ in range(calls):
+            verify_block(params, config, tokens, cache).block_until_ready()
+        return (time.perf_counter() - start) * 1e3 / calls
+
+    return run
 
 
 def transformers_from_gguf(path) -> torch.nn.Module:
@@ -129,7 +141,7 @@ def torch_greedy(model, prompt, num_tokens: int) -> tuple[list[int], float]:
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tokens", type=int, default=32, help="decoded tokens per timed run")
-    parser.add_argument("--repeats", type=int, default=5, help="timed runs per measurement (median)")
+    parser.add_argument("--repeats", type=int, default=7, help="timed runs per measurement (median)")
     args = parser.parse_args()
     torch.set_num_threads(2)
 
@@ -138,29 +150,35 @@ def main():
     prompt = tokenizer.encode(tokenizer.chat_prompt(TEXT))[:PROMPT_LEN]
     config, params = load_model(path, jnp.float32)
 
-    specjax_ms = specjax_decode_ms(params, config, prompt, args.tokens, 512, args.repeats)
-    wide_ms = specjax_decode_ms(params, config, prompt, args.tokens, 4096, args.repeats)
-    specjax_tokens = specjax_greedy(params, config, prompt, args.tokens, 512)
+    model = transformers_from_gguf(path)
+    decode_ms = interleaved_medians(
+        {
+            "specjax": specjax_decode(params, config, prompt, args.tokens, 512),
+            "specjax_4096": specjax_decode(params, config, prompt, args.tokens, 4096),
+            "torch": lambda: torch_greedy(model, prompt, args.tokens)[1],
+        },
+        args.repeats,
+    )
+    same = torch_greedy(model, prompt, args.tokens)[0] == specjax_greedy(params, config, prompt, args.tokens, 512)
 
     cache = KVCache.init(config.num_layers, 1, 512, config.num_kv_heads, config.head_dim)
     _, cache = prefill(params, config, jnp.asarray([prompt], jnp.int32), cache)
-    block_ms = {}
-    for num_new in (1, 4, 8, 16, 32):
-        tokens = jnp.asarray([prompt[:num_new]], jnp.int32)
-        block_ms[num_new] = median_ms(lambda: verify_block(params, config, tokens, cache).block_until_ready(), 3 * args.repeats)
-
-    model = transformers_from_gguf(path)
-    torch_greedy(model, prompt, 4)  # warm-up
-    runs = [torch_greedy(model, prompt, args.tokens) for _ in range(args.repeats)]
-    torch_ms = statistics.median(ms for _, ms in runs)
-    same = runs[0][0] == specjax_tokens
+    block_sizes = (1, 4, 8, 16, 32)
+    block_ms = interleaved_medians(
+        {size: specjax_verify(params, config, cache, jnp.asarray([prompt[:size]], jnp.int32)) for size in block_sizes},
+        args.repeats,
+    )
 
     print(f"SmolLM2-135M-Instruct (Q4_1 GGUF -> float32), batch 1, prompt {len(prompt)} tokens, "
           f"{args.tokens} greedy tokens, median of {args.repeats}; jax {jax.__version__}, torch {torch.__version__}")
     print(f"{'decode':<44}{'ms/token':>10}{'ratio':>8}")
-    print(f"{'specjax (jit forward+write+commit, 512 slots)':<44}{specjax_ms:>10.1f}{1.0:>8.2f}")
-    print(f"{'specjax, 4096-slot cache (64 live)':<44}{wide_ms:>10.1f}{wide_ms / specjax_ms:>8.2f}")
-    print(f"{'transformers+torch (2 threads, KV cache)':<44}{torch_ms:>10.1f}{torch_ms / specjax_ms:>8.2f}")
+    rows = {
+        "specjax (jit forward+write+commit, 512 slots)": decode_ms["specjax"],
+        "specjax, 4096-slot cache (64 live)": decode_ms["specjax_4096"],
+        "transformers+torch (2 threads, KV cache)": decode_ms["torch"],
+    }
+    for name, ms in rows.items():
+        print(f"{name:<44}{ms:>10.1f}{ms / decode_ms['specjax']:>8.2f}")
     print(f"greedy tokens identical: {same}")
     print(f"{'verify block (specjax forward, 64 cached)':<44}{'ms':>10}{'x T=1':>8}")
     for num_new, ms in block_ms.items():

@@ -265,7 +265,8 @@ class Engine:
                     f"{self.max_len} (raise max_len or shorten the prompt)"
                 )
 
-    def _validate(self, prompts, sampling, max_new_tokens) -> tuple[sampling_lib.SamplingParams, np.ndarray]:
+    def validate(self, prompts, sampling, max_new_tokens) -> tuple[sampling_lib.SamplingParams, np.ndarray]:
+        """Check prompts and limits against the cache (ValueError naming the problem); fill defaults."""
         batch = len(prompts)
         sampling = sampling or sampling_lib.SamplingParams.make(batch)
         if sampling.batch_size != batch:
@@ -320,7 +321,7 @@ class Engine:
         on_step, when given, is called with every row's tokens so far after each chunk of
         `steps_per_sync` decode steps (streaming); otherwise the whole loop runs on device.
         """
-        sampling, max_new = self._validate(prompts, sampling, max_new_tokens)
+        sampling, max_new = self.validate(prompts, sampling, max_new_tokens)
         prompt_lengths = np.array([len(p) for p in prompts], np.int32)
         t0 = time.perf_counter()
         state = self._prefill(prompts, sampling, max_new, seed)
@@ -353,7 +354,7 @@ class Engine:
         decode: a 1-token target forward; verify: the target over this method's N nodes;
         draft: one `propose`; step: one whole decode step (draft, verify, commit, update).
         """
-        sampling, max_new = self._validate(prompts, sampling, self.max_len - max(map(len, prompts)) - self.num_nodes)
+        sampling, max_new = self.validate(prompts, sampling, self.max_len - max(map(len, prompts)) - self.num_nodes)
         state = self._prefill(prompts, sampling, max_new, seed)
         batch = len(prompts)
 

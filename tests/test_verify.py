@@ -1,11 +1,16 @@
 """Exactness of chain and tree verification.
 
 The target is a bigram model over a small vocabulary: q after the prompt, then q(. | last
-token); the drafter is another bigram model p. Each case runs 50,000 rows per model kind
-(two kinds per batch, so every call has one shape) and checks, by chi-square against the exact
-target, the first emitted token (q at the root) and the first two emitted tokens jointly
-(q(x1) q(x2 | x1)). Where a step emits one token only, a second step from that token supplies
-x2, as the decoder would. The same checks must fail for deliberately wrong rules.
+token); the drafter is another bigram model p (sampled for chains, ranked top-k for trees).
+Each case decodes 50,000 rows per model kind (two kinds per batch, so every call has one
+shape) and checks by chi-square, against the exact target, the first emitted token (q at the
+root) and the first two and three emitted tokens jointly (q(x1) q(x2 | x1) q(x3 | x2)). Steps
+follow each other as in the decoder (a step starts from the last token emitted), so accepted
+drafts, residual samples and bonus tokens at every depth all enter the joint law. The same
+checks must fail for deliberately wrong rules (a swapped-in `verify._residual`).
+
+Then: acceptance rates against their exact values, greedy rows, and hypothesis properties of
+the verdict over batch sizes, draft lengths and random tree shapes.
 """
 
 from __future__ import annotations
@@ -18,9 +23,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-import scipy.stats
 from hypothesis import given, settings
 
+from goodness_of_fit import chi_square_pvalue
 from specjax import sampling, verify
 from specjax.sampling import SamplingParams
 from specjax.tree import Tree, from_branching
@@ -36,31 +41,6 @@ TREE_BRANCHING = [3, 2]  # 3 candidates below the root, 2 below each: 10 nodes, 
 P_PASS = 1e-4  # an exact rule passes every check above this p-value (fixed seeds)
 P_FAIL = 1e-10  # a wrong rule must fall below this
 ACCEPT_SIGMAS = 5.0  # empirical acceptance rates within this many standard errors
-
-
-# ----------------------------------------------------------------------------- statistics
-
-
-def chi_square_pvalue(samples: np.ndarray, expected: np.ndarray) -> float:
-    """Goodness of fit of integer samples to probabilities `expected` (flattened bins).
-
-    Zero-probability bins must be empty (asserted) and are left out; bins expecting fewer
-    than 5 counts are merged into one. A single remaining bin is an exact match: p = 1.
-    """
-    expected = np.asarray(expected, np.float64).ravel()
-    counts = np.bincount(samples, minlength=expected.size)
-    assert counts.size == expected.size, "a sample fell outside the bins"
-    impossible = expected <= 0
-    assert counts[impossible].sum() == 0, f"zero-probability bins hit: {np.flatnonzero(impossible & (counts > 0))}"
-    f_exp = expected[~impossible] / expected[~impossible].sum() * samples.size
-    f_obs = counts[~impossible].astype(np.float64)
-    small = f_exp < 5
-    if small.any():
-        f_exp = np.append(f_exp[~small], f_exp[small].sum())
-        f_obs = np.append(f_obs[~small], f_obs[small].sum())
-    if f_exp.size < 2:
-        return 1.0
-    return float(scipy.stats.chisquare(f_obs, f_exp).pvalue)
 
 
 # ----------------------------------------------------------------------------- models
@@ -265,10 +245,7 @@ def unnormalised_residual(q, p):
 
 
 WRONG_CHAIN = {"no_residual": jax.jit(functools.partial(verify._chain, residual=no_residual))}
-WRONG_TREE = {
-    "no_residual": jax.jit(functools.partial(verify._tree, residual=no_residual)),
-    "unnormalised_residual": jax.jit(functools.partial(verify._tree, residual=unnormalised_residual)),
-}
+WRONG_TREE = {"unnormalised_residual": jax.jit(functools.partial(verify._tree, residual=unnormalised_residual))}
 
 
 def model(name: str) -> Bigram:
@@ -403,7 +380,7 @@ def test_chain_zero_draft_probability_convention():
 # ----------------------------------------------------------------------------- tree
 
 
-@pytest.mark.parametrize("name", [f"drafter-{seed}" for seed in range(3)] + TREE_CASES)
+@pytest.mark.parametrize("name", [f"drafter-{seed}" for seed in range(2)] + TREE_CASES)
 def test_tree_exact(name):
     assert_exact(model(name), run_tree(name)[0])
 

@@ -107,15 +107,14 @@ def target_outputs(
     }
 
 
-def _loss_inputs(setup_static, target_params, vocab, batch):
-    """Target-side inputs of the TTT loss, online or from the offline batch."""
-    config, target_config = setup_static
+def _loss_inputs(config: TrainConfig, target_config: ModelConfig, target_params, vocab, batch):
+    """Target-side inputs of the TTT loss (constants for the gradient), online or from the batch."""
     tokens = batch["tokens"]
     outputs = batch if config.features == "offline" else target_outputs(target_params, target_config, tokens, vocab)
     return {
-        "embeddings": jax.lax.stop_gradient(llama.embed(target_params, tokens)),
-        "features": jax.lax.stop_gradient(outputs["features"]),
-        "target_logits": jax.lax.stop_gradient(outputs["target_logits"]),
+        "embeddings": llama.embed(target_params, tokens),  # [B, T, H]
+        "features": outputs["features"],
+        "target_logits": outputs["target_logits"],
         "in_vocab": outputs["in_vocab"],
         "loss_mask": batch["loss_mask"],
     }
@@ -140,7 +139,7 @@ def _loss(params, draft_config, config: TrainConfig, inputs):
 @functools.partial(jax.jit, static_argnames=("config", "target_config", "draft_config"))
 def train_step(state: TrainState, target_params, vocab, batch, *, config, target_config, draft_config):
     """One micro-step: TTT loss, gradients, (accumulated) AdamW update. Returns (state, stats)."""
-    inputs = _loss_inputs((config, target_config), target_params, vocab, batch)
+    inputs = _loss_inputs(config, target_config, target_params, vocab, batch)
     (loss, stats), grads = jax.value_and_grad(_loss, has_aux=True)(state.params, draft_config, config, inputs)
     updates, opt_state = make_optimizer(config).update(grads, state.opt_state, state.params)
     params = optax.apply_updates(state.params, updates)
@@ -150,7 +149,7 @@ def train_step(state: TrainState, target_params, vocab, batch, *, config, target
 
 @functools.partial(jax.jit, static_argnames=("config", "target_config", "draft_config"))
 def eval_step(params, target_params, vocab, batch, *, config, target_config, draft_config):
-    inputs = _loss_inputs((config, target_config), target_params, vocab, batch)
+    inputs = _loss_inputs(config, target_config, target_params, vocab, batch)
     return _loss(params, draft_config, config, inputs)[1]
 
 
