@@ -22,6 +22,7 @@ from tqdm import tqdm
 
 from infer import prompts as prompt_sets
 from infer.common import MethodSpec, add_model_args, build_drafter, load_target
+from specjax import theory
 from specjax.engine import Engine
 from specjax.sampling import SamplingParams
 
@@ -97,7 +98,8 @@ def summarise(results: list[dict]) -> None:
         r["speedup"] = r["tokens_per_s"] / ar["tokens_per_s"]
         r["c"] = r["t_draft_ms"] / r["t_decode_ms"]
         r["verify_over_decode"] = r["t_verify_ms"] / r["t_decode_ms"]
-        r["bound"] = r["tau"] * r["t_decode_ms"] / (r["t_verify_ms"] + (r["t_draft_ms"] if r["method"] != "ar" else 0.0))
+        draft_ms = r["t_draft_ms"] if r["method"] != "ar" else 0.0
+        r["bound"] = theory.cost_model_bound(r["tau"], r["t_decode_ms"], r["t_verify_ms"], draft_ms)
         r["fraction_of_bound"] = r["speedup"] / r["bound"]
 
 

@@ -11,7 +11,7 @@ tree:  deterministic candidates (EAGLE-2 top-k, n-gram, Medusa), verified by the
        renormalise; if every child is rejected, sample from r.
 
 Conventions that keep both rules exact and safe:
-- Acceptance test: draft d is accepted iff u * p(d) < q(d) with u ~ U[0, 1), that is with
+- Acceptance test: draft d is accepted iff u * p(d) < q(d) with u ~ U(0, 1), that is with
   probability min(1, q(d) / p(d)). Where p(d) = 0 (d cannot have come from p; only rounding
   of a drafter's probabilities gets here) this accepts iff q(d) > 0, the limit of
   min(1, q/p) as p -> 0. A token with q(d) = 0 is never accepted.
@@ -114,6 +114,7 @@ def _chain_row(
 
 
 def _chain(key, draft_tokens, draft_probs, target_probs, params, residual: Residual) -> Verdict:
+    """`chain` with the residual rule as a parameter (tests swap in wrong rules)."""
     batch_size, num_draft = draft_tokens.shape
     row = functools.partial(_chain_row, residual=residual)
     keys = jax.random.split(key, batch_size)
@@ -202,6 +203,7 @@ def _tree_row(
 
 
 def _tree(key, tree, node_tokens, target_probs, params, residual: Residual) -> Verdict:
+    """`tree` with the residual rule as a parameter (tests swap in wrong rules)."""
     row = functools.partial(_tree_row, max_depth=tree.max_depth, residual=residual)
     keys = jax.random.split(key, node_tokens.shape[0])
     accepted, next_token, path = jax.vmap(row)(
@@ -226,6 +228,8 @@ def tree(
     """Verify a tree of deterministic candidates per row by the point-mass rule.
 
     tree:         topology; node 0 is the root (the pending token), siblings in try order.
+                  tree.max_depth may exceed a row's deepest node (per-row topologies);
+                  path and accepted_at are sized by it.
     node_tokens:  [B, N] int, node_tokens[:, 0] is the pending token.
     target_probs: [B, N, V], processed q at node i (the distribution of the token after it).
     At the accepted node with residual r (starting at its q), child c is accepted with

@@ -52,22 +52,22 @@ def prefilled(lengths: list[int], max_len: int) -> KVCache:
 def test_two_sequences_accept_all_and_reject_at_position_two():
     """Row A accepts all three drafts, row B rejects its third: lengths advance by 4 and 3."""
     cache = prefilled([5, 3], max_len=16)
-    vocab, num_draft = 10, 3
+    vocab = 8
     # Greedy targets: the argmax continuation is 1, 2, 3, 4 for both rows.
     target_probs = jax.nn.one_hot(jnp.asarray([[1, 2, 3, 4]] * 2), vocab)  # [B, N + 1, V]
-    drafts = jnp.asarray([[1, 2, 3], [1, 2, 9]])  # row B's third draft is wrong
+    drafts = jnp.asarray([[1, 2, 3], [1, 2, 7]])  # row B's third draft is wrong
     draft_probs = jax.nn.one_hot(drafts, vocab)
     verdict = verify.chain(jax.random.key(0), drafts, draft_probs, target_probs, SamplingParams.make(2))
     np.testing.assert_array_equal(verdict.accepted, [3, 2])
     np.testing.assert_array_equal(verdict.next_token, [4, 3])
 
-    block_tokens = np.asarray([[7, 1, 2, 3], [7, 1, 2, 9]])  # [pending, drafts]
+    block_tokens = np.asarray([[5, 1, 2, 3], [5, 1, 2, 7]])  # [pending, drafts]
     cache = write(cache, *entries(1000 + block_tokens))
     cache = commit(compact(cache, verdict.path), verdict.accepted + 1)
     np.testing.assert_array_equal(cache.lengths, [9, 6])
     values = slot_values(cache)
-    np.testing.assert_array_equal(values[0, :9], [0, 1, 2, 3, 4, 1007, 1001, 1002, 1003])
-    np.testing.assert_array_equal(values[1, :6], [100, 101, 102, 1007, 1001, 1002])
+    np.testing.assert_array_equal(values[0, :9], [0, 1, 2, 3, 4, 1005, 1001, 1002, 1003])
+    np.testing.assert_array_equal(values[1, :6], [100, 101, 102, 1005, 1001, 1002])
     # Row B's rejected slot (6) is stale: still in the buffer, never visible.
     mask = attention_mask(cache.lengths, jnp.ones((1, 1), bool), cache.max_len)  # [B, 1, S]
     np.testing.assert_array_equal(mask[:, 0], np.arange(16)[None, :] <= np.asarray([[9], [6]]))

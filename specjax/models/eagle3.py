@@ -162,12 +162,12 @@ def midlayer_qkv(
 
 
 def midlayer_output(
-    params: Params, config: Eagle3Config, hidden: jax.Array, attention: jax.Array
+    params: Params, config: Eagle3Config, hidden: jax.Array, attention_out: jax.Array
 ) -> tuple[jax.Array, jax.Array]:
     """From h [B, T, H] and attention output [B, T, Hq, D]: (logits [B, T, Vd] f32, h_out [B, T, H])."""
     batch, length, _ = hidden.shape
     dtype = params["o_proj"].dtype
-    hidden = hidden.astype(dtype) + attention.reshape(batch, length, -1).astype(dtype) @ params["o_proj"]
+    hidden = hidden.astype(dtype) + attention_out.reshape(batch, length, -1).astype(dtype) @ params["o_proj"]
     x = rms_norm(hidden, params["post_attention_layernorm"], config.rms_norm_eps)
     hidden = hidden + (jax.nn.silu(x @ params["gate_proj"]) * (x @ params["up_proj"])) @ params["down_proj"]
     logits = rms_norm(hidden, params["norm"], config.rms_norm_eps) @ params["lm_head"]

@@ -1,0 +1,268 @@
+"""python -m infer.tune: which decoding method, with which parameters, for a workload.
+
+    python -m infer.tune --task code --batch-size 1 --temperature 0
+    python -m infer.tune --task chat --bench bench.json --markdown recommendation.md
+    python -m infer.tune --task code --measure            # short sweep on the real model, pick empirically
+
+The cost model (specjax.theory): a step emits tau tokens for one verification over N + 1 tokens
+plus the drafting, so speedup = tau / (T_verify(N + 1) / T_decode + draft cost / T_decode).
+tau comes from an acceptance rate (chains) or a per-node reach probability (EAGLE-2 trees).
+Without measurements it uses the stated priors below; --bench replaces them with a bench
+run's acceptance curves and cost ratios, and --measure runs the best few candidates for real.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import itertools
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+
+from infer.common import MethodSpec, add_model_args, build_drafter, load_target
+from specjax import theory
+
+TASKS = ("chat", "code", "structured", "long-form", "creative")
+# Prior acceptance rate per drafted position at temperature 0 (per method, per task); stated
+# guesses from published EAGLE-3 / prompt-lookup results, replaced by --bench or --measure.
+PRIOR_ALPHA = {
+    "ngram": {"chat": 0.25, "code": 0.6, "structured": 0.55, "long-form": 0.2, "creative": 0.1},
+    "eagle3": {"chat": 0.7, "code": 0.75, "structured": 0.75, "long-form": 0.65, "creative": 0.55},
+    "draft": {"chat": 0.6, "code": 0.65, "structured": 0.65, "long-form": 0.55, "creative": 0.45},
+}
+# Acceptance decays with temperature: alpha(T) = alpha(0) * exp(-decay * T) (prior).
+TEMPERATURE_DECAY = {"ngram": 0.9, "eagle3": 0.35, "draft": 0.3}
+# Draft cost per drafted position, in decode steps (prior): n-gram is free.
+PRIOR_DRAFT_COST = {"ngram": 0.0, "eagle3": 0.05, "draft": 0.25}
+# Verifying k tokens at batch B costs 1 + VERIFY_SLOPE * (k - 1) * B decode steps (prior; CPU-like).
+VERIFY_SLOPE = 0.13
+
+
+@dataclasses.dataclass
+class Candidate:
+    spec: MethodSpec
+    tau: float
+    cost: float  # decode steps per verifier call, drafting included
+    reasoning: str
+
+    @property
+    def speedup(self) -> float:
+        return self.tau / self.cost
+
+
+def verify_ratio(num_tokens: int, batch_size: int, measured: dict[int, float] | None) -> float:
+    """T_verify(k) / T_decode: measured points (interpolated) or the prior."""
+    if measured:
+        ks = sorted(measured)
+        return float(np.interp(num_tokens, ks, [measured[k] for k in ks]))
+    return 1.0 + VERIFY_SLOPE * (num_tokens - 1) * batch_size
+
+
+def tree_tau(alpha: float, depth: int, top_k: int, nodes: int) -> float:
+    """Expected tokens per call of an EAGLE-2 tree: 1 + the T largest reach probabilities.
+
+    The child of rank j (0-based) at a node is accepted, given its elder siblings were not,
+    with probability alpha * 0.5^j (prior); reach probabilities fall along every path, so the
+    T largest form an ancestor-closed tree, as EAGLE-2's reranking keeps.
+    """
+    rank_prob = alpha * 0.5 ** np.arange(top_k)  # conditional on elder siblings rejected
+    exclusive = rank_prob * np.concatenate([[1.0], np.cumprod(1 - rank_prob)[:-1]])  # [K]
+    reach, level = [], np.array([1.0])
+    for _ in range(depth):
+        level = (level[:, None] * exclusive[None, :]).ravel()
+        reach.append(level)
+    return 1.0 + float(np.sort(np.concatenate(reach))[::-1][:nodes].sum())
+
+
+def chain_tau(alpha: float, n: int, curve: list[float] | None) -> float:
+    if curve:
+        extended = [curve[min(i, len(curve) - 1)] for i in range(n)]
+        return float(theory.expected_accepted_from_curve(np.array(extended)))
+    return theory.expected_accepted(alpha, n)
+
+
+def candidates(args, measured: dict) -> list[Candidate]:
+    """Every configuration in the search space with its predicted speedup."""
+    out = [Candidate(MethodSpec("ar"), 1.0, 1.0, "plain decoding: one token per target step")]
+    methods = ["ngram", "eagle3"] + (["draft"] if args.draft_available else [])
+    if not args.eagle3_available:
+        methods.remove("eagle3")
+    for method in methods:
+        alpha0 = PRIOR_ALPHA[method][args.task]
+        alpha = alpha0 * np.exp(-TEMPERATURE_DECAY[method] * args.temperature)
+        info = measured.get(method, {})
+        if "alpha" in info:
+            alpha = info["alpha"]
+        c = info.get("c", PRIOR_DRAFT_COST[method])
+        source = "measured" if info else "prior"
+        for n in range(1, 9):
+            tau = chain_tau(alpha, n, info.get("curve"))
+            cost = verify_ratio(n + 1, args.batch_size, measured.get("verify")) + n * c
+            why = f"alpha={alpha:.2f} ({source}), tau={tau:.2f}, cost={cost:.2f} decode steps (verify {n + 1} tokens + {n} drafts at c={c:.2f})"
+            out.append(Candidate(MethodSpec(method, num_spec=n), tau, cost, why))
+        if method != "eagle3":
+            continue
+        for depth, top_k, nodes in itertools.product((3, 4, 5, 6), (2, 4, 8), (8, 16, 32, 64)):
+            if nodes > top_k + (depth - 1) * top_k**2 or nodes < depth:
+                continue
+            tau = tree_tau(alpha, depth, top_k, nodes)
+            cost = verify_ratio(nodes + 1, args.batch_size, measured.get("verify")) + depth * c * (1 + 0.1 * top_k)
+            why = f"alpha={alpha:.2f} ({source}), tau={tau:.2f}, cost={cost:.2f} (verify {nodes + 1} tokens, {depth} head levels of {top_k})"
+            out.append(Candidate(MethodSpec(method, tree=(depth, top_k, nodes)), tau, cost, why))
+    return sorted(out, key=lambda c: -c.speedup)
+
+
+def measured_from_bench(path: str) -> dict:
+    """Acceptance curves, draft cost ratios and verify-cost points from a bench JSON."""
+    results = json.loads(Path(path).read_text())["results"]
+    measured: dict = {"verify": {1: 1.0}}
+    for r in results:
+        spec = MethodSpec.parse(r["method"])
+        if spec.method == "ar":
+            continue
+        nodes = (spec.tree[2] if spec.tree else spec.num_spec) + 1
+        measured["verify"][nodes] = r["verify_over_decode"]
+        if spec.tree is None:
+            steps = spec.num_spec
+            measured[spec.method] = {
+                "curve": r["acceptance_by_position"],
+                "alpha": float(np.mean(r["acceptance_by_position"])),
+                "c": r["c"] / max(steps, 1),
+            }
+    return measured
+
+
+def switch_temperature(args, measured: dict) -> float | None:
+    """The lowest temperature at which no method is predicted to beat plain decoding."""
+    for temperature in np.arange(0.0, 2.01, 0.1):
+        probe = argparse.Namespace(**{**vars(args), "temperature": float(temperature)})
+        if candidates(probe, measured)[0].spec.method == "ar":
+            return float(temperature)
+    return None
+
+
+def measure(args, ranked: list[Candidate]) -> list[tuple[MethodSpec, float]]:
+    """Run ar, the default configuration and the best predicted ones on the task's prompts."""
+    from infer import prompts as prompt_sets
+    from specjax.engine import Engine
+    from specjax.sampling import SamplingParams
+
+    config, params, tokenizer = load_target(args)
+    prompt_set = "code" if args.task in ("code", "structured") else "chat"
+    texts = prompt_sets.load(prompt_set)[: args.batch_size]
+    texts = [texts[i % len(texts)] for i in range(args.batch_size)]
+    batch = [tokenizer.encode(tokenizer.chat_prompt(t)) for t in texts]
+    default = MethodSpec("eagle3") if args.eagle3_available else MethodSpec("ngram")
+    specs = list(dict.fromkeys([MethodSpec("ar"), default] + [c.spec for c in ranked[: args.measure_top]]))
+    sampling = SamplingParams.make(args.batch_size, args.temperature)
+    results = []
+    for spec in specs:
+        engine = Engine(config, params, build_drafter(spec, config, params, args.draft, args.dtype),
+                        max_len=args.max_len, eos_ids=tokenizer.eos_token_ids)
+        engine.generate(batch, sampling, max_new_tokens=4)  # compile
+        rates = []
+        for repeat in range(args.repeats):
+            stats = engine.generate(batch, sampling, max_new_tokens=args.max_new_tokens, seed=repeat)
+            rates.append((stats.num_generated - len(batch)) / stats.decode_s)
+        results.append((spec, float(np.median(rates))))
+        print(f"  measured {spec.label:<16} {results[-1][1]:7.1f} tokens/s", file=sys.stderr)
+    return results
+
+
+def render(args, ranked: list[Candidate], switch: float | None, measured_runs) -> str:
+    best = ranked[0]
+    lines = [
+        "# specjax decoding recommendation",
+        "",
+        f"Workload: task **{args.task}**, batch size **{args.batch_size}**, temperature **{args.temperature}**"
+        + (f", latency target {args.latency_target} ms/token" if args.latency_target else "") + ".",
+        f"Evidence: {'bench JSON ' + args.bench if args.bench else 'priors of the cost model'}"
+        + (" and a measured sweep" if measured_runs else "") + ".",
+        "",
+    ]
+    if measured_runs:
+        ar_rate = dict((s.label, r) for s, r in measured_runs)["ar"]
+        winner, rate = max(measured_runs, key=lambda sr: sr[1])
+        lines += [f"**Use `{winner.label}`**: measured {rate:.1f} tokens/s, {rate / ar_rate:.2f}x autoregressive.", "",
+                  "| configuration | measured tokens/s | vs ar |", "|---|---|---|"]
+        lines += [f"| {s.label} | {r:.1f} | {r / ar_rate:.2f}x |" for s, r in measured_runs]
+        lines.append("")
+    else:
+        lines += [f"**Use `{best.spec.label}`**: predicted {best.speedup:.2f}x over autoregressive decoding.", ""]
+    lines += ["Predicted by the cost model (best first):", "", "| configuration | tau | cost per call | predicted speedup | reasoning |",
+              "|---|---|---|---|---|"]
+    lines += [f"| {c.spec.label} | {c.tau:.2f} | {c.cost:.2f} | {c.speedup:.2f}x | {c.reasoning} |" for c in ranked[:8]]
+    lines.append("")
+    if switch is None:
+        lines.append("Speculation is predicted to pay at every temperature up to 2.0.")
+    else:
+        lines.append(f"Temperature switch: from temperature {switch:.1f} up, plain decoding (`ar`) is predicted to be as fast; switch methods there.")
+    if args.latency_target and args.t_decode_ms:
+        expected = args.t_decode_ms / best.speedup
+        verdict = "meets" if expected <= args.latency_target else "misses"
+        lines.append(f"Expected latency {expected:.1f} ms/token {verdict} the target of {args.latency_target} ms/token "
+                     f"(T_decode {args.t_decode_ms:.1f} ms).")
+    lines += ["", "How to run it:", "", f"    python -m infer.generate {cli_flags(ranked[0].spec if not measured_runs else max(measured_runs, key=lambda sr: sr[1])[0])}"]
+    return "\n".join(lines) + "\n"
+
+
+def cli_flags(spec: MethodSpec) -> str:
+    if spec.method == "ar":
+        return "--method ar"
+    if spec.tree:
+        return f"--method {spec.method} --tree {','.join(map(str, spec.tree))}"
+    return f"--method {spec.method} --num-spec {spec.num_spec}"
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m infer.tune", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_model_args(parser)
+    parser.add_argument("--task", choices=TASKS, default="chat")
+    parser.add_argument("--batch-size", type=int, default=1)
+    parser.add_argument("--temperature", type=float, default=0.0)
+    parser.add_argument("--latency-target", type=float, default=None, help="ms per token")
+    parser.add_argument("--t-decode-ms", type=float, default=None, help="one decode step of the target, if known (bench JSON fills it)")
+    parser.add_argument("--bench", default=None, help="bench JSON with measured acceptance and costs")
+    parser.add_argument("--measure", action="store_true", help="run the best predicted configurations and pick empirically")
+    parser.add_argument("--measure-top", type=int, default=3)
+    parser.add_argument("--max-new-tokens", type=int, default=48)
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--markdown", default=None, help="also write the recommendation to this Markdown file")
+    args = parser.parse_args(argv)
+    if args.batch_size < 1 or args.temperature < 0:
+        parser.error("--batch-size must be >= 1 and --temperature >= 0")
+    return args
+
+
+def main(argv: list[str] | None = None) -> str:
+    args = parse_args(argv)
+    args.draft_available = args.method == "draft" and args.draft is not None
+    try:
+        from specjax.drafters.eagle3 import default_draft_path
+
+        args.eagle3_available = args.draft is not None or default_draft_path() is not None
+    except ValueError:
+        args.eagle3_available = False
+    measured = measured_from_bench(args.bench) if args.bench else {}
+    if args.bench and args.t_decode_ms is None:
+        rows = json.loads(Path(args.bench).read_text())["results"]
+        args.t_decode_ms = float(np.median([r["t_decode_ms"] for r in rows if r["batch_size"] == args.batch_size] or [np.nan]))
+    ranked = candidates(args, measured)
+    switch = switch_temperature(args, measured)
+    runs = measure(args, ranked) if args.measure else None
+    text = render(args, ranked, switch, runs)
+    print(text)
+    if args.markdown:
+        Path(args.markdown).write_text(text)
+    return text
+
+
+if __name__ == "__main__":
+    try:
+        main()
+    except ValueError as error:
+        sys.exit(f"error: {error}")
