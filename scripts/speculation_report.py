@@ -82,11 +82,14 @@ def leviathan_check(keys, samples: int, out) -> dict:
     fit = scipy.stats.chisquare(table[0], q * samples)
     out("(a) Leviathan check: one draft from p, verified against q, vs direct samples from q")
     out(f"    {samples:,} speculative and {samples:,} direct samples, vocabulary {VOCAB}")
-    out(f"    acceptance {np.mean(np.asarray(verdict.accepted)):.4f}  (sum min(p, q) = {theory.acceptance_rate(p, q):.4f})")
+    acceptance = np.mean(np.asarray(verdict.accepted))
+    out(f"    acceptance {acceptance:.4f}  (sum min(p, q) = {theory.acceptance_rate(p, q):.4f})")
     out(f"    two-sample chi-square {statistic:.2f} vs 95% critical value {critical:.2f} ({dof} dof): "
         f"{'same distribution' if statistic < critical else 'DIFFERENT'} (p = {pvalue:.3f})")
     out(f"    speculative vs exact q: chi-square {fit.statistic:.2f}, p = {fit.pvalue:.3f}")
-    return dict(statistic=float(statistic), critical=float(critical), dof=int(dof), pvalue=float(pvalue), fit_pvalue=float(fit.pvalue))
+    return dict(
+        statistic=float(statistic), critical=float(critical), dof=int(dof), pvalue=float(pvalue), fit_pvalue=float(fit.pvalue)
+    )
 
 
 # ----------------------------------------------------------------------------- (b)
@@ -118,7 +121,8 @@ def draft_quality_sweep(keys, samples: int, out) -> list[dict]:
     direction = rng.normal(size=VOCAB)
     draft_lengths = (1, 2, 4, 8)
     out("(c) Draft quality: p = softmax(log q + amplitude * z); acceptance measured with verify.chain")
-    out("    amplitude   measured a   sum min(p,q)   |diff|/se   tokens/call for N = " + ", ".join(map(str, draft_lengths)))
+    lengths = ", ".join(map(str, draft_lengths))
+    out(f"    amplitude   measured a   sum min(p,q)   |diff|/se   tokens/call for N = {lengths}")
     sweep = []
     for amplitude in (0.0, 0.5, 1.0, 2.0, 4.0):
         p = softmax(np.log(q) + amplitude * direction)
@@ -127,9 +131,12 @@ def draft_quality_sweep(keys, samples: int, out) -> list[dict]:
         overlap = theory.acceptance_rate(p, q)
         standard_error = max(np.sqrt(overlap * (1 - overlap) / samples), 1e-12)
         tokens = {n: theory.expected_accepted(measured, n) for n in draft_lengths}
-        sweep.append(dict(amplitude=amplitude, measured=measured, overlap=overlap, standard_error=standard_error, tokens_per_call=tokens))
-        out(f"    {amplitude:9.1f}   {measured:10.4f}   {overlap:12.4f}   {abs(measured - overlap) / standard_error:9.2f}   "
-            + "  ".join(f"{tokens[n]:5.2f}" for n in draft_lengths))
+        sweep.append(
+            dict(amplitude=amplitude, measured=measured, overlap=overlap, standard_error=standard_error, tokens_per_call=tokens)
+        )
+        z = abs(measured - overlap) / standard_error
+        per_length = "  ".join(f"{tokens[n]:5.2f}" for n in draft_lengths)
+        out(f"    {amplitude:9.1f}   {measured:10.4f}   {overlap:12.4f}   {z:9.2f}   {per_length}")
     return sweep
 
 
@@ -156,8 +163,9 @@ def tree_vs_chain(keys, samples: int, out) -> dict:
     for node in range(1, num_nodes):
         rank = np.sum(parents[1:node] == parents[node])
         contexts[node] = np.argsort(-draft[contexts[parents[node]]], kind="stable")[rank]
-    node_tokens = jnp.broadcast_to(jnp.asarray(np.where(contexts == PROMPT, 0, contexts), jnp.int32), (samples, num_nodes))
-    verdict = verify.tree(next(keys), topology, node_tokens, rows(target[contexts], samples), SamplingParams.make(samples, temperature=1.0))
+    node_tokens = jnp.asarray(np.broadcast_to(np.where(contexts == PROMPT, 0, contexts), (samples, num_nodes)), jnp.int32)
+    params = SamplingParams.make(samples, temperature=1.0)
+    verdict = verify.tree(next(keys), topology, node_tokens, rows(target[contexts], samples), params)
     path, accepted = np.asarray(verdict.path), np.asarray(verdict.accepted)
     on_path = (path[:, depths] == np.arange(num_nodes)) & (depths <= accepted[:, None])  # [S, N]
     reached = on_path.sum(0)
@@ -188,7 +196,7 @@ def tree_vs_chain(keys, samples: int, out) -> dict:
         jnp.asarray(np.stack(drafts, 1), jnp.int32),  # [S, N]
         jnp.asarray(np.stack(draft_probs, 1)),  # [S, N, V]
         jnp.asarray(np.stack(target_probs, 1), jnp.float32),  # [S, N + 1, V]
-        SamplingParams.make(samples, temperature=1.0),
+        params,
     )
     accepted = np.asarray(verdict.accepted)
     survivors = np.array([(accepted >= k).sum() for k in range(num_draft + 1)])
@@ -216,14 +224,16 @@ def tree_vs_chain(keys, samples: int, out) -> dict:
     out(f"(d) EAGLE-2-style tree [2, 2, 2] vs chain, both {num_draft} drafted nodes (one verifier call each)")
     out("    tree, P(node accepted | parent accepted), measured / exact q_parent(token):")
     for depth in range(1, depths.max() + 1):
-        cells = [f"{tree_measured[i - 1]:.3f}/{tree_exact[i - 1]:.3f}" for i in range(1, num_nodes) if depths[i] == depth]
+        at_depth = [i - 1 for i in range(1, num_nodes) if depths[i] == depth]
+        cells = [f"{tree_measured[i]:.3f}/{tree_exact[i]:.3f}" for i in at_depth]
         out(f"      depth {depth}: " + "  ".join(cells))
     out("    chain, P(position k accepted | all before accepted), measured / exact:")
     out("      " + "  ".join(f"{m:.3f}/{e:.3f}" for m, e in zip(chain_measured, chain_exact)))
     out(f"    tokens per verifier call   tree {tree['tokens_per_call']:.3f} +- {tree['standard_error']:.3f} "
         f"(theory.tree_expected_accepted: {tree['theory']:.3f})")
     out(f"                               chain {chain['tokens_per_call']:.3f} +- {chain['standard_error']:.3f} "
-        f"(expected_accepted_from_curve: {chain['theory']:.3f}; i.i.d. at the first position's a: {chain['iid_estimate']:.3f})")
+        f"(expected_accepted_from_curve: {chain['theory']:.3f}; "
+        f"i.i.d. at the first position's a: {chain['iid_estimate']:.3f})")
     winner = "tree" if tree["tokens_per_call"] > chain["tokens_per_call"] else "chain"
     out(f"    -> the {winner} emits more per call at this draft quality; the i.i.d. formula at the first"
         " position's rate misjudges the chain, the measured per-position curve does not")
@@ -263,7 +273,9 @@ def two_sequences(keys, out, steps: int = 3, num_draft: int = 3) -> dict:
         bonus = np.array([true_next(row, positions[row, -1] + 1) for row in range(2)])
         one_hot = np.eye(VOCAB, dtype=np.float32)
         target_probs = one_hot[np.concatenate([truth, bonus[:, None]], 1)]  # [B, N + 1, V] greedy q: one-hot
-        verdict = verify.chain(next(keys), jnp.asarray(drafts, jnp.int32), jnp.asarray(one_hot[drafts]), jnp.asarray(target_probs), params)
+        verdict = verify.chain(
+            next(keys), jnp.asarray(drafts, jnp.int32), jnp.asarray(one_hot[drafts]), jnp.asarray(target_probs), params
+        )
         block = np.concatenate([pending[:, None], drafts], 1)  # [B, T]: the verifier's input
         cache = write(cache, *[entries(block)] * 2)
         cache = commit(compact(cache, verdict.path), verdict.accepted + 1)
@@ -293,7 +305,8 @@ def optimal_settings(out) -> list[dict]:
     for alpha, c in ((0.8, 0.05), (0.95, 0.02)):
         n, best = theory.optimal_draft_length(alpha, c)
         found.append(dict(alpha=alpha, c=c, n=n, speedup=best))
-        out(f"    a = {alpha}, c = {c}: N = {n}, speedup {best:.3f}, tokens per call {theory.expected_accepted(alpha, n):.3f}")
+        tokens = theory.expected_accepted(alpha, n)
+        out(f"    a = {alpha}, c = {c}: N = {n}, speedup {best:.3f}, tokens per call {tokens:.3f}")
     return found
 
 

@@ -106,14 +106,17 @@ def test_bad_inputs_are_named():
 
 
 def test_new_prompts_do_not_recompile():
-    engine = engine_for("eagle3-tree")
+    engine = Engine(CONFIG, PARAMS, DRAFTERS["eagle3-tree"], max_len=MAX_LEN)
+    jitted = (engine._prefill_jit, engine._start_jit, engine._decode_jit)
     engine.generate(PROMPTS, max_new_tokens=8)
-    sizes = [f._cache_size() for f in (engine._prefill_jit, engine._start_jit, engine._decode_jit)]
+    sizes = [f._cache_size() for f in jitted]
     assert sizes == [1, 1, 1]
     longer = [p * 3 for p in PROMPTS]
     engine.generate(longer, SamplingParams.make(4, temperature=0.7, top_p=0.9), max_new_tokens=20, seed=3)
     engine.generate(longer, max_new_tokens=12, on_step=lambda rows: None, steps_per_sync=2)
-    assert [f._cache_size() for f in (engine._prefill_jit, engine._start_jit, engine._decode_jit)] == sizes
+    assert [f._cache_size() for f in jitted] == sizes
+    engine.generate(PROMPTS[:1], max_new_tokens=8)  # a new batch size compiles once more
+    assert [f._cache_size() for f in jitted] == [2, 2, 2]
 
 
 def test_streaming_matches_one_shot():

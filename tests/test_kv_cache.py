@@ -147,7 +147,8 @@ def test_compact_and_commit_equal_writing_the_path_token_by_token(example):
     topology = Tree(parents=jnp.asarray(parents), depths=jnp.asarray(depths), max_depth=NODES - 1)
     # Tokens drawn from q at the parent, so paths of every length occur.
     q = rng.dirichlet(np.full(VOCAB, 0.3), size=(batch, NODES)).astype(np.float32)  # [B, N, V]
-    tokens = np.asarray([[rng.choice(VOCAB, p=q[b, max(p, 0)] / q[b, max(p, 0)].sum()) for p in row] for b, row in enumerate(parents)])
+    tokens = np.asarray([[rng.choice(VOCAB, p=q[b, max(parent, 0)] / q[b, max(parent, 0)].sum()) for parent in row]
+                         for b, row in enumerate(parents)])
     verdict = verify.tree(
         jax.random.key(seed), topology, jnp.asarray(tokens), jnp.asarray(q), SamplingParams.make(batch, temperature=1.0)
     )

@@ -105,7 +105,8 @@ def test_parameters_broadcast_over_positions():
     result = np.asarray(probs(jnp.asarray(logits), params_for(ROWS)))
     for row, setting in enumerate(ROWS):
         for position in range(3):
-            np.testing.assert_allclose(result[row, position], reference_probs(logits[row, position], *setting), atol=1e-6)
+            expected = reference_probs(logits[row, position], *setting)
+            np.testing.assert_allclose(result[row, position], expected, atol=1e-6)
 
 
 @pytest.mark.parametrize("bad", [dict(temperature=-1.0), dict(top_k=-1), dict(top_p=0.0), dict(min_p=1.0)])

@@ -37,7 +37,7 @@ KINDS = 2
 BATCH = KINDS * ROWS_PER_KIND
 NUM_DRAFT = 2  # chain drafts per step
 SEQUENCE = 3  # emitted tokens checked jointly: covers accept, residual and bonus at every depth
-TREE_BRANCHING = [3, 2]  # 3 candidates below the root, 2 below each: 10 nodes, depth 2
+TREE_BRANCHING = [3, 1]  # 3 candidates below the root, 1 below each: 7 nodes, depth 2
 P_PASS = 1e-4  # an exact rule passes every check above this p-value (fixed seeds)
 P_FAIL = 1e-10  # a wrong rule must fall below this
 ACCEPT_SIGMAS = 5.0  # empirical acceptance rates within this many standard errors
@@ -72,10 +72,13 @@ def kinds_params(*kinds: dict) -> SamplingParams:
     return SamplingParams.stack([SamplingParams.make(ROWS_PER_KIND, **kind) for kind in kinds])
 
 
+probs = jax.jit(sampling.probs)
+
+
 def processed(logits: np.ndarray, kind: dict) -> np.ndarray:
     """sampling.probs of [C, V] logits under one kind's parameters."""
     params = SamplingParams.make(logits.shape[0], **kind)
-    return np.asarray(jax.jit(sampling.probs)(jnp.asarray(logits, jnp.float32), params), np.float64)
+    return np.asarray(probs(jnp.asarray(logits, jnp.float32), params), np.float64)
 
 
 def random_pairs(seed: int, correlated: bool) -> Bigram:
@@ -285,20 +288,22 @@ def _run_tree(name: str, rule: str, duplicate_siblings: bool):
     return decode(step, jax.random.key(name_seed(name) + duplicate_siblings))
 
 
-def pvalues(model: Bigram, tokens: np.ndarray) -> list[list[float]]:
+def pvalues(bigram_model: Bigram, tokens: np.ndarray) -> list[list[float]]:
     """Per kind, chi-square p-values of the first 1 .. SEQUENCE emitted tokens jointly."""
     result = []
     for kind in range(KINDS):
         rows = tokens[ROW_KIND == kind]
         result.append([
-            chi_square_pvalue(np.ravel_multi_index(rows[:, :length].T, (VOCAB,) * length), model.sequence(kind, length))
+            chi_square_pvalue(
+                np.ravel_multi_index(rows[:, :length].T, (VOCAB,) * length), bigram_model.sequence(kind, length)
+            )
             for length in range(1, SEQUENCE + 1)
         ])
     return result
 
 
-def assert_exact(model: Bigram, tokens: np.ndarray):
-    for kind, kind_pvalues in enumerate(pvalues(model, tokens)):
+def assert_exact(bigram_model: Bigram, tokens: np.ndarray):
+    for kind, kind_pvalues in enumerate(pvalues(bigram_model, tokens)):
         assert min(kind_pvalues) > P_PASS, (kind, kind_pvalues)
 
 
@@ -338,7 +343,8 @@ def test_chain_greedy_rows_are_deterministic_argmax_walk():
     emitted = emitted[greedy]
     for count in range(NUM_DRAFT + 1):  # accepted drafts, then the argmax at the stop position
         rows = accepted == count
-        np.testing.assert_array_equal(emitted[rows, : count + 1], np.broadcast_to(walk[: count + 1], (rows.sum(), count + 1)))
+        expected = np.broadcast_to(walk[: count + 1], (rows.sum(), count + 1))
+        np.testing.assert_array_equal(emitted[rows, : count + 1], expected)
 
 
 @pytest.mark.parametrize("name", ["pairs-0", "pairs-1"])
@@ -546,7 +552,8 @@ def random_tree_batch(parents: list[list[int]], seed: int):
     params, q = random_rows(rng, batch, PROPERTY_NODES)  # [B, N, V]
     # Tokens: often the parent's argmax (greedy rows accept), else random (repeats happen).
     parent_argmax = q[np.arange(batch)[:, None], np.maximum(np.asarray(parents), 0)].argmax(-1)
-    tokens = np.where(rng.random((batch, PROPERTY_NODES)) < 0.5, parent_argmax, rng.integers(0, PROPERTY_VOCAB, (batch, PROPERTY_NODES)))
+    random_tokens = rng.integers(0, PROPERTY_VOCAB, (batch, PROPERTY_NODES))
+    tokens = np.where(rng.random((batch, PROPERTY_NODES)) < 0.5, parent_argmax, random_tokens)
     return topology, tokens, q, params
 
 
