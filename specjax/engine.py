@@ -238,7 +238,7 @@ class Engine:
         dtype = jax.tree.leaves(self.params)[0].dtype
         return DecodeState(
             cache=kv.KVCache.init(c.num_layers, batch, self.max_len, c.num_kv_heads, c.head_dim, dtype),
-            history=jnp.asarray(history),
+            history=jnp.array(history),  # a copy: the state is donated, never alias host memory
             pending=jnp.zeros((batch,), jnp.int32),
             num_generated=jnp.zeros((batch,), jnp.int32),
             active=jnp.zeros((batch,), bool),
