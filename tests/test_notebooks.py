@@ -29,6 +29,7 @@ def test_notebook_is_clean_colab_tpu(path):
             assert cell.outputs == [] and cell.execution_count is None, f"{path.name}: outputs not stripped"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
 def test_notebook_executes_on_cpu(path, tmp_path, monkeypatch):
     monkeypatch.setenv("SPECJAX_NOTEBOOK_TINY", "1")
