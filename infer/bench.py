@@ -60,34 +60,50 @@ def split_methods(text: str) -> list[MethodSpec]:
     return specs
 
 
-def run_one(engine: Engine, batches: list[list[list[int]]], args, temperature: float) -> dict:
-    """Warm-up, then --repeats timed passes over all batches; medians of the decode time."""
+def timed_pass(engine: Engine, batches: list[list[list[int]]], sampling, max_new_tokens: int):
+    """One pass over every batch: (decode seconds, decoded tokens, accepted-length histogram)."""
+    seconds, tokens, hist = 0.0, 0, 0
+    for batch in batches:
+        stats = engine.generate(batch, sampling, max_new_tokens=max_new_tokens)
+        seconds += stats.decode_s
+        tokens += stats.num_generated - len(batch)  # the first token comes from prefill
+        hist = hist + stats.accepted_hist.sum(0)
+    return seconds, tokens, hist
+
+
+def bench_batch_size(engines: dict[MethodSpec, Engine], batches, args) -> list[dict]:
+    """All methods at one batch size: warm-up, then --repeats interleaved passes, medians.
+
+    Interleaving (ar, m1, m2, ar, m1, m2, ...) makes a drifting machine load hit every method alike.
+    """
     batch_size = len(batches[0])
-    sampling = SamplingParams.make(batch_size, temperature)
-    engine.generate(batches[0], sampling, max_new_tokens=4)
-    decode_s, hist, tokens = [], None, 0
+    sampling = SamplingParams.make(batch_size, args.temperature)
+    for engine in engines.values():
+        engine.generate(batches[0], sampling, max_new_tokens=4)  # compile
+    passes: dict[MethodSpec, list] = {spec: [] for spec in engines}
     for _ in range(args.repeats):
-        total, tokens, hist = 0.0, 0, None
-        for batch in batches:
-            stats = engine.generate(batch, sampling, max_new_tokens=args.max_new_tokens)
-            total += stats.decode_s
-            tokens += stats.num_generated - len(batch)  # the first token comes from prefill
-            hist = stats.accepted_hist.sum(0) if hist is None else hist + stats.accepted_hist.sum(0)
-        decode_s.append(total)
-    timings = engine.profile_step(batches[0], sampling)
-    reached = np.cumsum(hist[::-1])[::-1]
-    calls = hist.sum()
-    return {
-        "decode_s": float(np.median(decode_s)),
-        "tokens": int(tokens),
-        "tokens_per_s": float(tokens / np.median(decode_s)),
-        "tau": float((hist * (np.arange(hist.size) + 1)).sum() / max(calls, 1)),
-        "acceptance_by_position": (reached[1:] / np.maximum(reached[:-1], 1)).tolist(),
-        "t_decode_ms": timings["decode"] * 1e3,
-        "t_verify_ms": timings["verify"] * 1e3,
-        "t_draft_ms": timings["draft"] * 1e3,
-        "t_step_ms": timings["step"] * 1e3,
-    }
+        for spec, engine in engines.items():
+            passes[spec].append(timed_pass(engine, batches, sampling, args.max_new_tokens))
+    results = []
+    for spec, engine in engines.items():
+        seconds = float(np.median([p[0] for p in passes[spec]]))
+        _, tokens, hist = passes[spec][-1]
+        timings = engine.profile_step(batches[0], sampling)
+        reached = np.cumsum(hist[::-1])[::-1]
+        results.append({
+            "method": spec.label,
+            "batch_size": batch_size,
+            "decode_s": seconds,
+            "tokens": int(tokens),
+            "tokens_per_s": tokens / seconds,
+            "tau": float((hist * (np.arange(hist.size) + 1)).sum() / max(hist.sum(), 1)),
+            "acceptance_by_position": (reached[1:] / np.maximum(reached[:-1], 1)).tolist(),
+            "t_decode_ms": timings["decode"] * 1e3,
+            "t_verify_ms": timings["verify"] * 1e3,
+            "t_draft_ms": timings["draft"] * 1e3,
+            "t_step_ms": timings["step"] * 1e3,
+        })
+    return results
 
 
 def summarise(results: list[dict]) -> None:
@@ -151,19 +167,17 @@ def main(argv: list[str] | None = None) -> list[dict]:
     config, params, tokenizer = load_target(args)
     texts = prompt_sets.load(args.prompts)[: args.num_prompts]
     token_ids = [tokenizer.encode(tokenizer.chat_prompt(text)) for text in texts]
+    engines = {
+        spec: Engine(config, params, build_drafter(spec, config, params, args.draft, args.dtype),
+                     max_len=args.max_len, eos_ids=tokenizer.eos_token_ids)
+        for spec in args.method_specs
+    }
     results = []
-    runs = [(spec, b) for spec in args.method_specs for b in args.batch_size_list]
-    progress = tqdm(runs, desc="bench", unit="run")
-    engines: dict[MethodSpec, Engine] = {}
-    for spec, batch_size in progress:
-        progress.set_postfix_str(f"{spec.label} batch {batch_size}")
-        if spec not in engines:
-            drafter = build_drafter(spec, config, params, args.draft, args.dtype)
-            engines[spec] = Engine(config, params, drafter, max_len=args.max_len, eos_ids=tokenizer.eos_token_ids)
+    for batch_size in tqdm(args.batch_size_list, desc="bench", unit="batch size"):
         cycled = [token_ids[i % len(token_ids)] for i in range(max(batch_size, len(token_ids)))]
         batches = [cycled[i : i + batch_size] for i in range(0, len(cycled) - batch_size + 1, batch_size)]
-        result = run_one(engines[spec], batches, args, args.temperature)
-        results.append({"method": spec.label, "batch_size": batch_size, **result})
+        results += bench_batch_size(engines, batches, args)
+    results.sort(key=lambda r: (args.method_specs.index(MethodSpec.parse(r["method"])), r["batch_size"]))
     summarise(results)
     print(table(results))
     meta = {k: v for k, v in vars(args).items() if k not in ("method_specs", "batch_size_list")}
