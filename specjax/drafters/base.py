@@ -98,11 +98,6 @@ class Drafter(abc.ABC):
     def max_depth(self) -> int:
         """Depth of the deepest proposed node (drafted tokens on the longest path)."""
 
-    @property
-    def method_key(self) -> tuple:
-        """Hashable description of everything static; the engine compiles once per key."""
-        return (type(self).__name__, self.num_nodes, self.max_depth)
-
     def check_target(self, target_config) -> None:
         """Raise ValueError if the drafter cannot serve this target (e.g. vocabulary mismatch)."""
 
@@ -133,3 +128,20 @@ class Drafter(abc.ABC):
         are the target's features at the proposed nodes (None unless feature_layers).
         Default: nothing to learn."""
         return state
+
+
+class ChainDrafter(Drafter):
+    """A drafter proposing a chain of `num_draft` tokens: N = num_draft + 1 nodes."""
+
+    def __init__(self, num_draft: int):
+        if num_draft < 1:
+            raise ValueError(f"num_draft must be >= 1, got {num_draft}")
+        self.num_draft = num_draft
+
+    @property
+    def num_nodes(self) -> int:
+        return self.num_draft + 1
+
+    @property
+    def max_depth(self) -> int:
+        return self.num_draft

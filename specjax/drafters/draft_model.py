@@ -18,30 +18,17 @@ import jax.numpy as jnp
 from specjax import kv_cache as kv
 from specjax import sampling as sampling_lib
 from specjax import tree as tree_lib
-from specjax.drafters.base import Drafter, PrefillChunk, Proposal, StepContext
+from specjax.drafters.base import ChainDrafter, PrefillChunk, Proposal, StepContext
 from specjax.models import llama
 from specjax.models.config import ModelConfig
 
 
-class DraftModelDrafter(Drafter):
+class DraftModelDrafter(ChainDrafter):
     """Chain of `num_draft` tokens sampled from a small Llama-family model."""
 
     def __init__(self, config: ModelConfig, params, num_draft: int = 4, chunk_size: int = 256):
-        if num_draft < 1:
-            raise ValueError(f"num_draft must be >= 1, got {num_draft}")
-        self.config, self.params, self.num_draft, self.chunk_size = config, params, num_draft, chunk_size
-
-    @property
-    def num_nodes(self) -> int:
-        return self.num_draft + 1
-
-    @property
-    def max_depth(self) -> int:
-        return self.num_draft
-
-    @property
-    def method_key(self) -> tuple:
-        return super().method_key + (self.config,)
+        super().__init__(num_draft)
+        self.config, self.params, self.chunk_size = config, params, chunk_size
 
     def check_target(self, target_config: ModelConfig) -> None:
         if target_config.vocab_size != self.config.vocab_size:

@@ -75,10 +75,6 @@ class Eagle3Drafter(Drafter):
     def max_depth(self) -> int:
         return self.depth
 
-    @property
-    def method_key(self) -> tuple:
-        return super().method_key + (self.top_k, self.head_config)
-
     def check_target(self, target_config: ModelConfig) -> None:
         head = self.head_config
         if head.target_vocab_size != target_config.vocab_size:

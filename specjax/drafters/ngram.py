@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 
 from specjax import tree as tree_lib
-from specjax.drafters.base import Drafter, Proposal, StepContext
+from specjax.drafters.base import ChainDrafter, Proposal, StepContext
 from specjax.sampling import SamplingParams
 
 
@@ -39,27 +39,14 @@ def lookup(history: jax.Array, length: jax.Array, num_draft: int, max_ngram: int
     return jnp.where(best_end >= 0, history[indices], history[last])
 
 
-class NgramDrafter(Drafter):
+class NgramDrafter(ChainDrafter):
     """Chain of `num_draft` tokens from prompt lookup."""
 
     def __init__(self, num_draft: int = 5, max_ngram: int = 3, min_ngram: int = 1):
-        if num_draft < 1:
-            raise ValueError(f"num_draft must be >= 1, got {num_draft}")
+        super().__init__(num_draft)
         if not 1 <= min_ngram <= max_ngram:
             raise ValueError(f"need 1 <= min_ngram <= max_ngram, got {min_ngram}, {max_ngram}")
-        self.num_draft, self.max_ngram, self.min_ngram = num_draft, max_ngram, min_ngram
-
-    @property
-    def num_nodes(self) -> int:
-        return self.num_draft + 1
-
-    @property
-    def max_depth(self) -> int:
-        return self.num_draft
-
-    @property
-    def method_key(self) -> tuple:
-        return super().method_key + (self.max_ngram, self.min_ngram)
+        self.max_ngram, self.min_ngram = max_ngram, min_ngram
 
     def init_state(self, batch_size: int, max_len: int):
         return ()
