@@ -254,7 +254,7 @@ def test_data_parallel_step_matches_single_device(tmp_path):
         state = trainer.init_state(setup)
         batch = trainer.get_batch(setup, setup.train_rows, np.arange(4))
         assert batch["tokens"].sharding.shard_shape(batch["tokens"].shape) == (4 // devices, 16)
-        state, stats = trainer.train_step(state, setup.target_params, setup.vocab, batch, **trainer._step_kwargs(setup))
+        state, stats = trainer.train_step(state, setup.target_params, setup.vocab, batch, **trainer.step_kwargs(setup))
         results.append(jax.device_get((state.params, stats)))
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6), *results)
 
@@ -278,3 +278,14 @@ def test_offline_features_match_online(tmp_path):
     offline_eval = trainer.evaluate(offline, state.params)
     np.testing.assert_allclose(online_eval["loss"], offline_eval["loss"], rtol=2e-2)
     np.testing.assert_allclose(online_eval["acc"], offline_eval["acc"], atol=0.05)
+
+
+def test_bfloat16_compute_keeps_float32_master_weights(tmp_path):
+    setup = _setup(tmp_path, compute_dtype="bfloat16")
+    state = trainer.init_state(setup)
+    batch = trainer.get_batch(setup, setup.train_rows, np.arange(4))
+    new_state, stats = trainer.train_step(state, setup.target_params, setup.vocab, batch, **trainer.step_kwargs(setup))
+    assert all(p.dtype == jnp.float32 for p in jax.tree.leaves(new_state.params))
+    assert np.isfinite(stats["total"])
+    f32_stats = trainer.eval_step(state.params, setup.target_params, setup.vocab, batch, **trainer.step_kwargs(_setup(tmp_path)))
+    np.testing.assert_allclose(stats["loss"], f32_stats["loss"], rtol=5e-2)

@@ -67,10 +67,6 @@ class TrainConfig:
             raise ValueError("ttt_length, batch_size and grad_accum_steps must be >= 1")
 
     @property
-    def micro_steps(self) -> int:
-        return self.num_steps * self.grad_accum_steps
-
-    @property
     def export_path(self) -> Path:
         return Path(self.export_dir or Path(self.output_dir) / "draft")
 

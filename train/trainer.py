@@ -173,7 +173,7 @@ _STEP_FIELDS = (
 )
 
 
-def _step_kwargs(setup: Setup) -> dict:
+def step_kwargs(setup: Setup) -> dict:
     """Static arguments of the jitted steps: only the fields they read, so runs share compilations."""
     step_config = TrainConfig(**{name: getattr(setup.config, name) for name in _STEP_FIELDS})
     return {"config": step_config, "target_config": setup.target_config, "draft_config": setup.draft_config}
@@ -197,7 +197,7 @@ def evaluate(setup: Setup, params: eagle3.Params) -> dict[str, Any]:
     for first in range(0, len(rows) - batch_size + 1, batch_size):
         indices = np.arange(first, first + batch_size)
         batch = get_batch(setup, rows, indices, offset=len(setup.train_rows))
-        stats = jax.device_get(eval_step(params, setup.target_params, setup.vocab, batch, **_step_kwargs(setup)))
+        stats = jax.device_get(eval_step(params, setup.target_params, setup.vocab, batch, **step_kwargs(setup)))
         totals = stats if totals is None else jax.tree.map(np.add, totals, stats)
     return {} if totals is None else summarize(totals)
 
@@ -239,7 +239,7 @@ def train(setup: Setup, *, stop_at: int | None = None) -> tuple[TrainState, list
     for micro in range(first_micro, last_update * accum):
         indices = data.batch_indices(len(setup.train_rows), config.batch_size, micro, config.seed)
         state, stats = train_step(
-            state, setup.target_params, setup.vocab, get_batch(setup, setup.train_rows, indices), **_step_kwargs(setup)
+            state, setup.target_params, setup.vocab, get_batch(setup, setup.train_rows, indices), **step_kwargs(setup)
         )
         stats = jax.device_get(stats)
         window = stats if window is None else jax.tree.map(np.add, window, stats)
