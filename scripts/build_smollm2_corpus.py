@@ -4,7 +4,7 @@ Prompts come from three offline sources: chatterbot-corpus English dialogs (`pip
 chatterbot-corpus`), questions about the Python documentation (Debian `python3.11-doc` rst), and
 functions of the Python standard library. Responses are the target's own greedy outputs
 (self-distillation, so the draft learns the distribution it will be verified against), produced
-by a batched greedy loop over the specjax target forward with a KV cache.
+by the specjax engine (batched greedy decoding).
 
     PYTHONPATH=. python scripts/build_smollm2_corpus.py --out data/smollm2_corpus.jsonl --num-prompts 2000
 
@@ -16,7 +16,6 @@ Existing lines are kept and skipped, so an interrupted run resumes where it stop
 from __future__ import annotations
 
 import argparse
-import functools
 import ast
 import json
 import random
@@ -26,14 +25,11 @@ import sysconfig
 import time
 from pathlib import Path
 
-import jax
 import jax.numpy as jnp
-import numpy as np
 import yaml
 
-from specjax import kv_cache
 from specjax.checkpoints import default_model_path, load_model
-from specjax.models import llama
+from specjax.engine import Engine
 from train.data import load_tokenizer
 
 DOCS_DIR = Path("/usr/share/doc/python3.11/html/_sources")
@@ -135,31 +131,6 @@ def collect_prompts(num_prompts: int, seed: int) -> list[tuple[str, str]]:
     return chosen
 
 
-@functools.cache
-def make_greedy_generate(config, max_len: int, chunk_size: int = 64):
-    """Jitted greedy (prefill, step) over a `max_len`-slot cache; `chunk_size` must divide it."""
-
-    @jax.jit
-    def prefill(params, tokens, lengths):
-        batch, prompt_len = tokens.shape
-        cache = kv_cache.KVCache.init(config.num_layers, batch, max_len, config.num_kv_heads, config.head_dim)
-        positions = jnp.broadcast_to(jnp.arange(prompt_len), tokens.shape)
-        causal = jnp.tril(jnp.ones((prompt_len, prompt_len), bool))
-        out = llama.forward(params, config, tokens, positions, cache, causal, chunk_size=chunk_size)
-        cache = kv_cache.commit(kv_cache.write(cache, out.k, out.v), lengths)
-        last = jnp.take_along_axis(out.logits, (lengths - 1)[:, None, None], 1)[:, 0]  # [B, V]
-        return cache, jnp.argmax(last, -1).astype(jnp.int32)
-
-    @jax.jit
-    def step(params, cache, token):
-        one = jnp.ones((1, 1), bool)
-        out = llama.forward(params, config, token[:, None], cache.lengths[:, None], cache, one, chunk_size=chunk_size)
-        cache = kv_cache.commit(kv_cache.write(cache, out.k, out.v), jnp.ones_like(cache.lengths))
-        return cache, jnp.argmax(out.logits[:, 0], -1).astype(jnp.int32)
-
-    return prefill, step
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, required=True)
@@ -198,7 +169,9 @@ def main() -> None:
     ]
     print(f"{len(done)} done, {len(pending)} to generate", file=sys.stderr)
 
-    bucket = 64
+    # One engine (one compilation) for every batch: greedy, plain autoregressive decoding.
+    max_len = -(-(args.max_prompt_tokens + args.max_new_tokens + 1) // 64) * 64
+    engine = Engine(config, params, max_len=max_len, attention_chunk=64, eos_ids=tuple(eos))
     start, generated = time.time(), 0
     args.out.parent.mkdir(parents=True, exist_ok=True)
     with args.out.open("a") as out_file:
@@ -206,30 +179,11 @@ def main() -> None:
             if time.time() - start > args.time_budget:
                 break
             batch = pending[first : first + args.batch_size]
-            prompt_len = -(-max(len(ids) for _, _, ids in batch) // bucket) * bucket
-            max_len = -(-(prompt_len + args.max_new_tokens) // bucket) * bucket
-            tokens = np.zeros((args.batch_size, prompt_len), np.int32)
-            lengths = np.ones((args.batch_size,), np.int32)
-            for row, (_, _, ids) in enumerate(batch):
-                tokens[row, : len(ids)], lengths[row] = ids, len(ids)
-            prefill, step = make_greedy_generate(config, max_len)
-            cache, token = prefill(params, jnp.asarray(tokens), jnp.asarray(lengths))
-            outputs = [np.asarray(token)]
-            finished = np.isin(outputs[0], list(eos))
-            finished[len(batch) :] = True
-            for _ in range(args.max_new_tokens - 1):
-                if finished.all():
-                    break
-                cache, token = step(params, cache, token)
-                outputs.append(np.asarray(token))
-                finished |= np.isin(outputs[-1], list(eos))
-            outputs = np.stack(outputs, 1)  # [B, N]
+            prompts = [ids for _, _, ids in batch]
+            prompts += [prompts[0]] * (args.batch_size - len(prompts))  # a fixed batch size: no recompilation
+            outputs = engine.generate(prompts, max_new_tokens=args.max_new_tokens).tokens
             for row, (source, prompt, _) in enumerate(batch):
-                response = []
-                for t in outputs[row]:
-                    if t in eos:
-                        break
-                    response.append(int(t))
+                response = [t for t in outputs[row] if t not in eos]  # generation stops at the first EOS
                 generated += len(response)
                 record = {
                     "source": source,
