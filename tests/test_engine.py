@@ -40,10 +40,8 @@ def autoregressive():
 
 @pytest.mark.parametrize("method", sorted(DRAFTERS))
 def test_greedy_speculative_equals_autoregressive(method, autoregressive):
-    engine = engine_for(method)
-    single = engine.generate(PROMPTS[:1], max_new_tokens=NEW_TOKENS)
-    assert single.tokens[0] == autoregressive[0]
-    batch = engine.generate(PROMPTS, max_new_tokens=NEW_TOKENS)
+    # Batch 1: test_prompt_at_the_cache_limit (n-gram) and test_new_prompts_do_not_recompile (tree).
+    batch = engine_for(method).generate(PROMPTS, max_new_tokens=NEW_TOKENS)
     assert batch.tokens == autoregressive
     assert all(len(t) == NEW_TOKENS for t in batch.tokens)
     assert batch.calls.sum() > 0
@@ -115,7 +113,8 @@ def test_new_prompts_do_not_recompile():
     engine.generate(longer, SamplingParams.make(4, temperature=0.7, top_p=0.9), max_new_tokens=20, seed=3)
     engine.generate(longer, max_new_tokens=12, on_step=lambda rows: None, steps_per_sync=2)
     assert [f._cache_size() for f in jitted] == sizes
-    engine.generate(PROMPTS[:1], max_new_tokens=8)  # a new batch size compiles once more
+    single = engine.generate(PROMPTS[:1], max_new_tokens=8)  # a new batch size compiles once more
+    assert single.tokens == engine_for(None).generate(PROMPTS[:1], max_new_tokens=8).tokens
     assert [f._cache_size() for f in jitted] == [2, 2, 2]
 
 
