@@ -2,15 +2,16 @@
 
 Prompts come from three offline sources: chatterbot-corpus English dialogs (`pip install
 chatterbot-corpus`), questions about the Python documentation (Debian `python3.11-doc` rst), and
-functions of the Python standard library. Responses are the target's own greedy outputs
-(self-distillation, so the draft learns the distribution it will be verified against), produced
-by the specjax engine (batched greedy decoding).
+functions of the Python standard library (to explain, or to edit and repeat), and everyday
+requests built from a grid of topics and templates. Responses are the target's own greedy
+outputs (self-distillation with `train.distill`, so the draft learns the distribution it will be
+verified against), produced by the specjax engine (batched greedy decoding).
 
     PYTHONPATH=. python scripts/build_smollm2_corpus.py --out data/smollm2_corpus.jsonl --num-prompts 2000
 
 `--reference-out` also writes the chatterbot dialogs with their human replies (free extra data).
 Each line: {"source": ..., "conversations": [{"role": "user", ...}, {"role": "assistant", ...}]}.
-Existing lines are kept and skipped, so an interrupted run resumes where it stopped.
+An interrupted run resumes where it stopped (same arguments).
 """
 
 from __future__ import annotations
@@ -22,14 +23,13 @@ import random
 import re
 import sys
 import sysconfig
-import time
 from pathlib import Path
 
 import jax.numpy as jnp
 import yaml
 
 from specjax.checkpoints import default_model_path, load_model
-from specjax.engine import Engine
+from train import distill
 from train.data import load_tokenizer
 
 DOCS_DIR = Path("/usr/share/doc/python3.11/html/_sources")
@@ -117,13 +117,72 @@ def stdlib_code_prompts() -> list[str]:
     return prompts
 
 
-def collect_prompts(num_prompts: int, seed: int) -> list[tuple[str, str]]:
-    """(source, prompt) pairs: a third from each source (as available), shuffled, deduplicated."""
+_EDIT_INSTRUCTIONS = (
+    "Add a docstring to every function in this code and repeat the whole code:",
+    "Add type hints to this function and show the complete result:",
+    "Add short comments to this code and repeat it in full:",
+    "Rewrite this function with clearer variable names and show the full code:",
+    "Repeat this code, adding a docstring that explains the arguments:",
+)
+
+
+def stdlib_edit_prompts() -> list[str]:
+    """Edit-and-repeat prompts over standard library functions (the response copies most of the code)."""
+    prompts = []
+    for prompt in stdlib_code_prompts():
+        if prompt.startswith("Explain what this Python function does:"):
+            code = prompt.split("\n\n", 1)[1]
+            instruction = _EDIT_INSTRUCTIONS[len(prompts) % len(_EDIT_INSTRUCTIONS)]
+            prompts.append(f"{instruction}\n\n{code}")
+    return prompts
+
+
+_TOPICS = (
+    "photosynthesis", "the water cycle", "volcanoes", "black holes", "the human heart", "vaccines", "inflation",
+    "compound interest", "the Roman Empire", "the printing press", "the French Revolution", "climate change",
+    "recycling", "electric cars", "solar panels", "the internet", "machine learning", "a healthy breakfast",
+    "learning a new language", "public speaking", "time management", "job interviews", "saving money",
+    "training for a 5k run", "growing tomatoes", "adopting a cat", "baking bread", "making coffee at home",
+    "the moon landing", "earthquakes", "rainbows", "honey bees", "the Olympic Games", "chess", "jazz music",
+    "Shakespeare", "the pyramids of Egypt", "the Great Wall of China", "coral reefs", "rain forests",
+    "sleep", "meditation", "first aid for a small cut", "packing for a trip", "a birthday party for a child",
+    "writing a resume", "remote work", "video games", "photography", "the stock market", "democracy",
+    "gravity", "magnets", "dinosaurs", "the seasons", "tides", "the immune system", "coffee", "tea",
+)
+_CHAT_TEMPLATES = (
+    "Explain {topic} in simple terms.",
+    "Give me three interesting facts about {topic}.",
+    "What are some tips about {topic}?",
+    "Write a short paragraph about {topic}.",
+    "Write a short poem about {topic}.",
+    "What should a beginner know about {topic}?",
+    "Summarize the history of {topic} in a few sentences.",
+    "Write a friendly message to a friend about {topic}.",
+    "What are the pros and cons of {topic}?",
+    "Answer briefly: why does {topic} matter?",
+)
+
+
+def general_chat_prompts() -> list[str]:
+    """Everyday assistant requests from a grid of topics and request templates."""
+    return [template.format(topic=topic) for topic in _TOPICS for template in _CHAT_TEMPLATES]
+
+
+SOURCES = {
+    "chatterbot": chatterbot_prompts,
+    "python_docs": python_doc_prompts,
+    "stdlib": stdlib_code_prompts,
+    "stdlib_edit": stdlib_edit_prompts,
+    "general_chat": general_chat_prompts,
+}
+
+
+def collect_prompts(num_prompts: int, seed: int, sources: list[str]) -> list[tuple[str, str]]:
+    """(source, prompt) pairs: an equal share from each source (as available), shuffled, deduplicated."""
     rng = random.Random(seed)
-    sources = {"chatterbot": chatterbot_prompts(), "python_docs": python_doc_prompts(), "stdlib": stdlib_code_prompts()}
     chosen = []
-    for name, prompts in sources.items():
-        prompts = sorted(set(prompts))
+    for name in sources:
+        prompts = sorted(set(SOURCES[name]()))
         rng.shuffle(prompts)
         print(f"{name}: {len(prompts)} prompts available", file=sys.stderr)
         chosen += [(name, p) for p in prompts[: num_prompts // len(sources)]]
@@ -136,6 +195,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--model", type=Path, default=None, help="target checkpoint (default: the SmolLM2 GGUF)")
     parser.add_argument("--num-prompts", type=int, default=2000)
+    parser.add_argument("--sources", default=",".join(SOURCES), help=f"comma-separated, from {', '.join(SOURCES)}")
     parser.add_argument("--max-prompt-tokens", type=int, default=256)
     parser.add_argument("--max-new-tokens", type=int, default=192)
     parser.add_argument("--batch-size", type=int, default=32)
@@ -143,59 +203,37 @@ def main() -> None:
     parser.add_argument("--reference-out", type=Path, help="also write the chatterbot dialogs with their own replies")
     parser.add_argument("--time-budget", type=float, default=float("inf"), help="seconds; stop after this")
     args = parser.parse_args()
+    sources = args.sources.split(",")
+    unknown = sorted(set(sources) - set(SOURCES))
+    if unknown:
+        parser.error(f"unknown sources: {', '.join(unknown)}")
 
     if args.reference_out:
         write_reference_dialogs(args.reference_out)
     model_path = args.model or default_model_path()
     tokenizer = load_tokenizer(str(model_path))
     config, params = load_model(model_path, jnp.float32)
-    eos = set(config.eos_token_ids) | {tokenizer.eos_token_id}
-
-    done = set()
-    if args.out.exists():
-        done = {json.loads(line)["conversations"][0]["content"] for line in args.out.read_text().splitlines()}
-    pending = []
-    for source, prompt in collect_prompts(args.num_prompts, args.seed):
-        messages = [{"role": "user", "content": prompt}]
-        ids = tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=True)
-        ids = ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids
-        if prompt not in done and len(ids) <= args.max_prompt_tokens:
-            pending.append((source, prompt, list(ids)))
-    window = 8 * args.batch_size  # similar lengths share a batch; sources stay mixed over time
-    pending = [
-        item
-        for first in range(0, len(pending), window)
-        for item in sorted(pending[first : first + window], key=lambda item: len(item[2]))
+    records = [
+        {"source": source, "conversations": [{"role": "user", "content": prompt}, {"role": "assistant", "content": ""}]}
+        for source, prompt in collect_prompts(args.num_prompts, args.seed, sources)
     ]
-    print(f"{len(done)} done, {len(pending)} to generate", file=sys.stderr)
-
-    # One engine (one compilation) for every batch: greedy, plain autoregressive decoding.
-    max_len = -(-(args.max_prompt_tokens + args.max_new_tokens + 1) // 64) * 64
-    engine = Engine(config, params, max_len=max_len, attention_chunk=64, eos_ids=tuple(eos))
-    start, generated = time.time(), 0
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    with args.out.open("a") as out_file:
-        for first in range(0, len(pending), args.batch_size):
-            if time.time() - start > args.time_budget:
-                break
-            batch = pending[first : first + args.batch_size]
-            prompts = [ids for _, _, ids in batch]
-            prompts += [prompts[0]] * (args.batch_size - len(prompts))  # a fixed batch size: no recompilation
-            outputs = engine.generate(prompts, max_new_tokens=args.max_new_tokens).tokens
-            for row, (source, prompt, _) in enumerate(batch):
-                response = [t for t in outputs[row] if t not in eos]  # generation stops at the first EOS
-                generated += len(response)
-                record = {
-                    "source": source,
-                    "conversations": [
-                        {"role": "user", "content": prompt},
-                        {"role": "assistant", "content": tokenizer.decode(response)},
-                    ],
-                }
-                out_file.write(json.dumps(record) + "\n")
-            out_file.flush()
-            elapsed = time.time() - start
-            print(f"{first + len(batch)}/{len(pending)} prompts, {generated / elapsed:.1f} tok/s", file=sys.stderr)
+    # Similar prompt lengths share a batch; sources stay mixed over time.
+    window = 8 * args.batch_size
+    length = {id(r): len(tokenizer(r["conversations"][0]["content"])["input_ids"]) for r in records}
+    records = [r for first in range(0, len(records), window) for r in sorted(records[first : first + window], key=lambda r: length[id(r)])]
+    written = distill.regenerate_to_file(
+        args.out,
+        records,
+        config,
+        params,
+        tokenizer,
+        batch_size=args.batch_size,
+        max_prompt_tokens=args.max_prompt_tokens,
+        max_new_tokens=args.max_new_tokens,
+        seed=args.seed,
+        time_budget_s=args.time_budget,
+    )
+    print(f"{written}/{len(records)} conversations in {args.out}", file=sys.stderr)
 
 
 if __name__ == "__main__":

@@ -277,7 +277,21 @@ class Engine:
         self._check_prompts(prompts, max_new)
         return sampling, max_new
 
-    def _prefill(self, prompts, sampling, max_new: np.ndarray, seed: int) -> DecodeState:
+    def _check_drafter_params(self, drafter_params):
+        """The drafter's own weights, or replacements with exactly their structure, shapes and dtypes."""
+        if drafter_params is None:
+            return self.drafter_params
+
+        def leaves(tree):
+            return {jax.tree_util.keystr(path): (x.shape, x.dtype) for path, x in jax.tree_util.tree_leaves_with_path(tree)}
+
+        expected, given = leaves(self.drafter_params), leaves(drafter_params)
+        for name in sorted(expected.keys() | given.keys()):
+            if expected.get(name) != given.get(name):
+                raise ValueError(f"drafter_params{name}: expected {expected.get(name)}, got {given.get(name)} (shape, dtype)")
+        return drafter_params
+
+    def _prefill(self, prompts, sampling, max_new: np.ndarray, seed: int, drafter_params) -> DecodeState:
         """Run the prompts through the target (and drafter) in fixed-size chunks; sample token 1."""
         batch = len(prompts)
         prompt_lengths = np.array([len(p) for p in prompts], np.int32)
@@ -292,7 +306,7 @@ class Engine:
             window[:, : end - start] = tokens_np[:, start:end]
             state = self._prefill_jit(
                 self.params,
-                self.drafter_params,
+                drafter_params,
                 state,
                 PrefillChunk(
                     tokens=jnp.asarray(window[:, :-1]),
@@ -315,16 +329,20 @@ class Engine:
         seed: int = 0,
         on_step: Callable[[list[list[int]]], None] | None = None,
         steps_per_sync: int | None = None,
+        drafter_params=None,
     ) -> Stats:
         """Generate for a batch of token-id prompts; returns tokens (EOS included) and statistics.
 
         on_step, when given, is called with every row's tokens so far after each chunk of
         `steps_per_sync` decode steps (streaming); otherwise the whole loop runs on device.
+        drafter_params replaces the drafter's own weights (same structure, shapes and dtypes, so
+        nothing recompiles): a draft being trained is evaluated this way.
         """
         sampling, max_new = self.validate(prompts, sampling, max_new_tokens)
+        drafter_params = self._check_drafter_params(drafter_params)
         prompt_lengths = np.array([len(p) for p in prompts], np.int32)
         t0 = time.perf_counter()
-        state = self._prefill(prompts, sampling, max_new, seed)
+        state = self._prefill(prompts, sampling, max_new, seed, drafter_params)
         t1 = time.perf_counter()
 
         max_new_dev = jnp.asarray(max_new)
@@ -332,7 +350,7 @@ class Engine:
         max_steps = int(max_new.max())  # every step emits at least one token
         while True:
             stop = min(stop + (steps_per_sync or max_steps), max_steps)
-            state = self._decode_jit(self.params, self.drafter_params, state, sampling, max_new_dev, jnp.asarray(stop, jnp.int32))
+            state = self._decode_jit(self.params, drafter_params, state, sampling, max_new_dev, jnp.asarray(stop, jnp.int32))
             if on_step is not None:
                 on_step(self._outputs(state, prompt_lengths, max_new))
             if stop >= max_steps or not bool(jnp.any(state.active)):

@@ -1,4 +1,4 @@
-"""Tiny random models and drafters shared by the engine tests."""
+"""Helpers for the tests: tiny models and drafters, and a word-level chat tokenizer."""
 
 from __future__ import annotations
 
@@ -107,3 +107,18 @@ def all_drafters(config: ModelConfig, params) -> dict[str, Drafter]:
         "eagle3-tree": eagle3_drafter(config, params, depth=3, top_k=2, nodes=6),
         "oracle-tree": OracleTreeDrafter(config, params, depth=3),
     }
+
+
+def word_tokenizer():
+    """A whitespace word-level tokenizer (vocabulary 10, '<end>' = 1) with a chat template."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {w: i for i, w in enumerate("<unk> <end> <user> <bot> hi there hello you bye see".split())}
+    backend = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    template = (
+        "{% for m in messages %}{{ '<user> ' if m['role'] == 'user' else '<bot> ' }}{{ m['content'] }} <end> {% endfor %}"
+        "{% if add_generation_prompt %}<bot> {% endif %}"
+    )
+    return PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<unk>", chat_template=template)

@@ -101,6 +101,9 @@ def test_bad_inputs_are_named():
         Engine(CONFIG, PARAMS, DraftModelDrafter(other, tiny_params(other, 1)), max_len=MAX_LEN)
     with pytest.raises(ValueError, match="vocabulary"):
         eagle3_drafter(CONFIG, PARAMS).check_target(other)
+    head = DRAFTERS["eagle3-chain"].params
+    with pytest.raises(ValueError, match=r"drafter_params\['head'\]\['fc'\]: expected \(\(96, 32\)"):
+        engine_for("eagle3-chain").generate(PROMPTS, drafter_params={**head, "head": {**head["head"], "fc": head["head"]["fc"].T}})
 
 
 def test_new_prompts_do_not_recompile():

@@ -9,8 +9,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from engine_helpers import word_tokenizer
 from specjax import kv_cache
 from specjax.checkpoints.eagle3 import load_eagle3
+from specjax.drafters.eagle3 import Eagle3Drafter
+from specjax.engine import Engine
 from specjax.kv_cache import KVCache
 from specjax.models import eagle3, llama
 from specjax.models.config import ModelConfig
@@ -138,7 +141,7 @@ def test_batch_indices_are_a_function_of_the_step():
 
 
 def test_loss_mask_covers_assistant_turns_only():
-    tokenizer = _word_tokenizer()
+    tokenizer = word_tokenizer()
     messages = [
         {"role": "user", "content": "hi there"},
         {"role": "assistant", "content": "hello you"},
@@ -148,20 +151,6 @@ def test_loss_mask_covers_assistant_turns_only():
     tokens, mask = data.tokenize_conversation(tokenizer, messages)
     words = tokenizer.convert_ids_to_tokens(tokens.tolist())
     assert [w for w, m in zip(words, mask) if m] == ["hello", "you", "<end>", "see", "you", "<end>"]
-
-
-def _word_tokenizer():
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    vocab = {w: i for i, w in enumerate("<unk> <end> <user> <bot> hi there hello you bye see".split())}
-    backend = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    template = (
-        "{% for m in messages %}{{ '<user> ' if m['role'] == 'user' else '<bot> ' }}{{ m['content'] }} <end> {% endfor %}"
-        "{% if add_generation_prompt %}<bot> {% endif %}"
-    )
-    return PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<unk>", chat_template=template)
 
 
 def test_config_unknown_keys_and_overrides(tmp_path):
@@ -270,7 +259,6 @@ def test_offline_features_match_online(tmp_path):
     offline = dataclasses.replace(
         setup,
         config=dataclasses.replace(setup.config, features="offline"),
-        target_params={"embed_tokens": setup.target_params["embed_tokens"]},
         offline=data.OfflineFeatures.open(tmp_path / "features", len(rows)),
     )
     state = trainer.init_state(setup)
@@ -289,3 +277,29 @@ def test_bfloat16_compute_keeps_float32_master_weights(tmp_path):
     assert np.isfinite(stats["total"])
     f32_stats = trainer.eval_step(state.params, setup.target_params, setup.vocab, batch, **trainer.step_kwargs(_setup(tmp_path)))
     np.testing.assert_allclose(stats["loss"], f32_stats["loss"], rtol=5e-2)
+
+
+def test_engine_tau_evaluation_during_training(tmp_path):
+    setup = _setup(tmp_path, tau_eval_every=3, tau_eval_prompts=4, tau_eval_num_spec=3, tau_eval_max_new_tokens=12)
+    evaluate_tau = trainer.tau_evaluator(setup)
+    state, records = trainer.train(setup, evaluate_tau=evaluate_tau)
+    evaluated = [r["update"] for r in records if "engine" in r]
+    assert evaluated == [3, 6]
+    final = records[-1]["engine"]
+    assert final["prompts"] == 4 and len(final["acceptance_by_position"]) == 3
+    assert evaluate_tau.engine._decode_jit._cache_size() == 1  # new weights, same compilation
+    # The same number from an engine built independently on the trained head.
+    drafter = Eagle3Drafter(DRAFT, state.params, setup.vocab, TARGET, setup.target_params, depth=3)
+    prompts = [list(map(int, t[:4])) for t in setup.eval_rows.tokens]
+    stats = Engine(TARGET, setup.target_params, drafter, max_len=64).generate(prompts, max_new_tokens=12)
+    assert final["tau"] == round(stats.tau, 4)
+    assert stats.calls.sum() > 0
+    metrics = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [m["update"] for m in metrics if "engine" in m] == [3, 6]
+
+
+def test_batch_must_split_over_the_data_parallel_devices(tmp_path):
+    with pytest.raises(ValueError, match="batch_size 6 must be a multiple of the 4"):
+        trainer.prepare(make_config({"output_dir": str(tmp_path), "batch_size": 6, "data_parallel": 4}))
+    with pytest.raises(ValueError, match="tau_eval_every needs held-out rows"):
+        make_config({"tau_eval_every": 10})

@@ -30,6 +30,10 @@ class TrainConfig:
     draft_vocab_size: int = 32000
     features: str = "online"  # "online": target forward in the step; "offline": precomputed .npy
     features_dir: str = ""  # offline features ("" = output_dir/features)
+    self_distill: bool = False  # regenerate the assistant turns with the target (train.distill)
+    distill_max_new_tokens: int = 256
+    distill_batch_size: int = 16
+    distill_temperature: float = 0.0
 
     # Draft and loss.
     ttt_length: int = 7
@@ -56,7 +60,11 @@ class TrainConfig:
     checkpoint_every: int = 100  # optimizer updates
     keep_checkpoints: int = 2
     log_every: int = 10
-    eval_every: int = 0  # 0 = only at the end
+    eval_every: int = 0  # held-out TTT statistics every this many updates (0 = only at the end)
+    tau_eval_every: int = 0  # engine tau on held-out prompts every this many updates, and at the end (0 = never)
+    tau_eval_prompts: int = 8
+    tau_eval_num_spec: int = 5  # EAGLE-3 chain length of the engine evaluation
+    tau_eval_max_new_tokens: int = 64
 
     def __post_init__(self):
         if self.features not in ("online", "offline"):
@@ -65,6 +73,8 @@ class TrainConfig:
             raise ValueError(f"compute_dtype must be 'float32' or 'bfloat16', got {self.compute_dtype!r}")
         if self.ttt_length < 1 or self.batch_size < 1 or self.grad_accum_steps < 1:
             raise ValueError("ttt_length, batch_size and grad_accum_steps must be >= 1")
+        if self.tau_eval_every and not (self.eval_samples and self.tau_eval_prompts > 0):
+            raise ValueError("tau_eval_every needs held-out rows: set eval_samples and tau_eval_prompts > 0")
 
     @property
     def export_path(self) -> Path:

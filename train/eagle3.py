@@ -4,7 +4,8 @@
 
 Any config field can be overridden (`--learning_rate 3e-4`, `--data_files '[a.jsonl, b.jsonl]'`).
 Rerunning the same command resumes from the latest checkpoint in output_dir. At the end the
-draft is evaluated on the held-out rows and exported in the EAGLE-3 Hugging Face layout.
+draft is evaluated on the held-out rows (TTT statistics, and tau from the engine when
+tau_eval_every is set) and exported in the EAGLE-3 Hugging Face layout.
 """
 
 from __future__ import annotations
@@ -29,8 +30,11 @@ def main(argv: list[str] | None = None) -> None:
         f"{int(setup.train_rows.loss_mask.sum())} response tokens; {setup.mesh.size} device(s)",
         file=sys.stderr,
     )
-    state, _ = trainer.train(setup)
+    evaluate_tau = trainer.tau_evaluator(setup) if config.tau_eval_every else None
+    state, records = trainer.train(setup, evaluate_tau=evaluate_tau)
     result = trainer.evaluate(setup, state.params)
+    if evaluate_tau is not None:
+        result["engine"] = records[-1]["engine"] if records else evaluate_tau(state.params)
     path = trainer.export(setup, state.params)
     (Path(config.output_dir) / "eval.json").write_text(json.dumps(result, indent=2) + "\n")
     print(json.dumps({"eval": result, "exported": str(path)}), file=sys.stderr)

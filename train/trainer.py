@@ -31,7 +31,7 @@ from specjax.checkpoints import default_model_path, load_model
 from specjax.checkpoints.eagle3 import save_eagle3
 from specjax.models import eagle3, llama
 from specjax.models.config import ModelConfig
-from train import data, ttt
+from train import data, distill, tau_eval, ttt
 from train.config import TrainConfig
 
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
@@ -50,13 +50,20 @@ class Setup:
 
     config: TrainConfig
     target_config: ModelConfig
-    target_params: llama.Params  # compute dtype; only embed_tokens in offline mode
+    target_params: llama.Params  # compute dtype
     draft_config: eagle3.Eagle3Config
     vocab: eagle3.DraftVocab
     train_rows: data.TokenRows
     eval_rows: data.TokenRows
     offline: data.OfflineFeatures | None  # rows: train rows, then eval rows
     mesh: Mesh
+
+    @property
+    def step_target_params(self) -> llama.Params:
+        """What the jitted steps read of the target: all of it online, the embeddings offline."""
+        if self.config.features == "offline":
+            return {"embed_tokens": self.target_params["embed_tokens"]}
+        return self.target_params
 
 
 def make_optimizer(config: TrainConfig) -> optax.GradientTransformation:
@@ -197,9 +204,23 @@ def evaluate(setup: Setup, params: eagle3.Params) -> dict[str, Any]:
     for first in range(0, len(rows) - batch_size + 1, batch_size):
         indices = np.arange(first, first + batch_size)
         batch = get_batch(setup, rows, indices, offset=len(setup.train_rows))
-        stats = jax.device_get(eval_step(params, setup.target_params, setup.vocab, batch, **step_kwargs(setup)))
+        stats = jax.device_get(eval_step(params, setup.step_target_params, setup.vocab, batch, **step_kwargs(setup)))
         totals = stats if totals is None else jax.tree.map(np.add, totals, stats)
     return {} if totals is None else summarize(totals)
+
+
+def tau_evaluator(setup: Setup) -> tau_eval.TauEvaluator:
+    """The engine evaluation on the first tau_eval_prompts held-out rows (compiled once)."""
+    config = setup.config
+    return tau_eval.TauEvaluator(
+        setup.draft_config,
+        setup.vocab,
+        setup.target_config,
+        setup.target_params,
+        tau_eval.held_out_prompts(setup.eval_rows, config.tau_eval_prompts),
+        num_spec=config.tau_eval_num_spec,
+        max_new_tokens=config.tau_eval_max_new_tokens,
+    )
 
 
 def checkpoint_manager(config: TrainConfig) -> ocp.CheckpointManager:
@@ -217,11 +238,15 @@ def restore_or_init(setup: Setup, manager: ocp.CheckpointManager) -> TrainState:
     return manager.restore(latest, args=ocp.args.StandardRestore(abstract))
 
 
-def train(setup: Setup, *, stop_at: int | None = None) -> tuple[TrainState, list[dict[str, Any]]]:
+def train(
+    setup: Setup, *, stop_at: int | None = None, evaluate_tau: tau_eval.TauEvaluator | None = None
+) -> tuple[TrainState, list[dict[str, Any]]]:
     """Run (or resume) training to num_steps updates, or to `stop_at` updates if given.
 
-    Returns the final state and the per-update records ({"update", "total", "loss", "acc", ...})
-    of this invocation; they are also appended to output_dir/metrics.jsonl.
+    Returns the final state and one record per update of this invocation ({"update", "total",
+    "loss", "acc", ...}, with "tokens_per_s" when logged, and "eval" (held-out TTT statistics)
+    or "engine" (held-out tau from the engine) when evaluated); logged and evaluated records are
+    also appended to output_dir/metrics.jsonl. evaluate_tau defaults to `tau_evaluator(setup)`.
     """
     config = setup.config
     manager = checkpoint_manager(config)
@@ -230,7 +255,9 @@ def train(setup: Setup, *, stop_at: int | None = None) -> tuple[TrainState, list
     last_update = min(stop_at or config.num_steps, config.num_steps)
     first_micro = int(state.micro_step)
     metrics_file = Path(config.output_dir) / "metrics.jsonl"
-    records, window = [], None
+    if config.tau_eval_every and evaluate_tau is None:
+        evaluate_tau = tau_evaluator(setup)
+    records, window, postfix = [], None, {}
     last_log_time, last_log_micro = time.time(), first_micro
     tokens_per_micro = config.batch_size * config.seq_len
     progress = tqdm(
@@ -239,7 +266,7 @@ def train(setup: Setup, *, stop_at: int | None = None) -> tuple[TrainState, list
     for micro in range(first_micro, last_update * accum):
         indices = data.batch_indices(len(setup.train_rows), config.batch_size, micro, config.seed)
         state, stats = train_step(
-            state, setup.target_params, setup.vocab, get_batch(setup, setup.train_rows, indices), **step_kwargs(setup)
+            state, setup.step_target_params, setup.vocab, get_batch(setup, setup.train_rows, indices), **step_kwargs(setup)
         )
         stats = jax.device_get(stats)
         window = stats if window is None else jax.tree.map(np.add, window, stats)
@@ -248,18 +275,25 @@ def train(setup: Setup, *, stop_at: int | None = None) -> tuple[TrainState, list
         if partial_update:
             continue
         record = {"update": update, "total": float(window["total"]) / accum, **summarize(window)}
-        records.append(record)
         window = None
-        if update % config.log_every == 0 or update == last_update:
+        logged = update % config.log_every == 0 or update == last_update
+        if logged:
             now = time.time()
-            rate = tokens_per_micro * (micro + 1 - last_log_micro) / max(now - last_log_time, 1e-9)
+            record["tokens_per_s"] = round(tokens_per_micro * (micro + 1 - last_log_micro) / max(now - last_log_time, 1e-9), 1)
             last_log_time, last_log_micro = now, micro + 1
-            progress.set_postfix(loss=f"{record['total']:.3f}", acc_0=f"{record['acc'][0]:.3f}", tok_s=f"{rate:.0f}")
-            with metrics_file.open("a") as file:
-                file.write(json.dumps({**record, "tokens_per_s": round(rate, 1)}) + "\n")
+            postfix |= {"loss": f"{record['total']:.3f}", "acc_0": f"{record['acc'][0]:.3f}", "tok_s": f"{record['tokens_per_s']:.0f}"}
+        eval_start = time.time()
         if config.eval_every and update % config.eval_every == 0:
+            record["eval"] = evaluate(setup, state.params)
+        if config.tau_eval_every and (update % config.tau_eval_every == 0 or update == config.num_steps):
+            record["engine"] = evaluate_tau(state.params)
+            postfix["tau"] = f"{record['engine']['tau']:.2f}"
+        last_log_time += time.time() - eval_start  # evaluations do not count against training throughput
+        records.append(record)
+        if logged or "eval" in record or "engine" in record:
             with metrics_file.open("a") as file:
-                file.write(json.dumps({"update": update, "eval": evaluate(setup, state.params)}) + "\n")
+                file.write(json.dumps(record) + "\n")
+        progress.set_postfix(postfix, refresh=False)
         if update % config.checkpoint_every == 0 or update == last_update:
             manager.save(update, args=ocp.args.StandardSave(state))
     progress.close()
@@ -302,8 +336,29 @@ def precompute_features(
         (directory / f"{name}.npy.partial").rename(directory / f"{name}.npy")
 
 
+def self_distill(config: TrainConfig, target_config, target_params, tokenizer, conversations):
+    """The conversations with every assistant turn regenerated by the target (kept in output_dir)."""
+    path = Path(config.output_dir) / "distilled.jsonl"
+    distill.regenerate_to_file(
+        path,
+        [{"conversations": c} for c in conversations],
+        target_config,
+        target_params,
+        tokenizer,
+        batch_size=config.distill_batch_size,
+        max_prompt_tokens=config.seq_len,
+        max_new_tokens=config.distill_max_new_tokens,
+        temperature=config.distill_temperature,
+        seed=config.seed,
+    )
+    return distill.load_regenerated(path)
+
+
 def prepare(config: TrainConfig) -> Setup:
     """Load the target, tokenize the data, fix the draft vocabulary and the features."""
+    mesh = make_mesh(config.data_parallel)
+    if config.batch_size % mesh.size:
+        raise ValueError(f"batch_size {config.batch_size} must be a multiple of the {mesh.size} data-parallel devices")
     output_dir = Path(config.output_dir)
     output_dir.mkdir(parents=True, exist_ok=True)
     target_path = config.target or str(default_model_path())
@@ -320,7 +375,10 @@ def prepare(config: TrainConfig) -> Setup:
         order = np.random.default_rng(config.seed).permutation(len(conversations))
         if config.max_samples:
             order = order[: config.max_samples]
-        rows = data.to_rows([data.tokenize_conversation(tokenizer, conversations[i]) for i in order], config.seq_len, config.pack)
+        conversations = [conversations[i] for i in order]
+        if config.self_distill:
+            conversations = self_distill(config, target_config, target_params, tokenizer, conversations)
+        rows = data.to_rows([data.tokenize_conversation(tokenizer, c) for c in conversations], config.seq_len, config.pack)
         np.savez(rows_file, tokens=rows.tokens, loss_mask=rows.loss_mask)
     num_train = len(rows) - config.eval_samples
     train_rows, eval_rows = rows.subset(slice(0, num_train)), rows.subset(slice(num_train, None))
@@ -335,7 +393,6 @@ def prepare(config: TrainConfig) -> Setup:
         if not data.OfflineFeatures.exists(config.features_path):
             precompute_features(target_params, target_config, vocab, rows, config.features_path, config.batch_size)
         offline = data.OfflineFeatures.open(config.features_path, len(rows))
-        target_params = {"embed_tokens": target_params["embed_tokens"]}
     return Setup(
         config=config,
         target_config=target_config,
@@ -345,5 +402,5 @@ def prepare(config: TrainConfig) -> Setup:
         train_rows=train_rows,
         eval_rows=eval_rows,
         offline=offline,
-        mesh=make_mesh(config.data_parallel),
+        mesh=mesh,
     )
