@@ -365,15 +365,17 @@ class Engine:
         )
 
     def profile_step(
-        self, prompts: list[list[int]], sampling=None, repeats: int = 10, seed: int = 0
+        self, prompts: list[list[int]], sampling=None, repeats: int = 20, seed: int = 0
     ) -> dict[str, float]:
         """Median seconds of the pieces of one decode step, after prefilling `prompts` (warm).
 
         decode: a 1-token target forward; verify: the target over this method's N nodes;
         draft: one `propose`; step: one whole decode step (draft, verify, commit, update).
+        The pieces are timed round-robin, so a drifting machine load shifts them alike and
+        their ratios (c, T_verify / T_decode) stay stable.
         """
         sampling, max_new = self.validate(prompts, sampling, self.max_len - max(map(len, prompts)) - self.num_nodes)
-        state = self._prefill(prompts, sampling, max_new, seed)
+        state = self._prefill(prompts, sampling, max_new, seed, self.drafter_params)
         batch = len(prompts)
 
         def target_over(params, state, num_nodes):
@@ -392,16 +394,15 @@ class Engine:
             "draft": (jax.jit(draft), (self.params, self.drafter_params, state)),
             "step": (jax.jit(self._step), (self.params, self.drafter_params, state, sampling, jnp.asarray(max_new))),
         }
-        timings = {}
-        for name, (fn, args) in pieces.items():
+        for fn, args in pieces.values():
             jax.block_until_ready(fn(*args))  # compile
-            samples = []
-            for _ in range(repeats):
+        samples: dict[str, list[float]] = {name: [] for name in pieces}
+        for _ in range(repeats):
+            for name, (fn, args) in pieces.items():
                 begin = time.perf_counter()
                 jax.block_until_ready(fn(*args))
-                samples.append(time.perf_counter() - begin)
-            timings[name] = float(np.median(samples))
-        return timings
+                samples[name].append(time.perf_counter() - begin)
+        return {name: float(np.median(times)) for name, times in samples.items()}
 
     def warmup(self, batch_size: int) -> float:
         """Compile every function for this batch size; returns the seconds it took."""

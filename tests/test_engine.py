@@ -127,3 +127,9 @@ def test_streaming_matches_one_shot():
     streamed = engine.generate(PROMPTS, max_new_tokens=24, on_step=seen.append, steps_per_sync=3)
     assert streamed.tokens == engine.generate(PROMPTS, max_new_tokens=24).tokens
     assert len(seen) > 1 and all(len(a) <= len(b) for a, b in zip(seen[0], seen[-1]))
+
+
+def test_profile_step_times_every_piece():
+    timings = engine_for("eagle3-tree").profile_step(PROMPTS, repeats=2)
+    assert sorted(timings) == ["decode", "draft", "step", "verify"]
+    assert all(0 < t < 10 for t in timings.values())

@@ -303,3 +303,16 @@ def test_batch_must_split_over_the_data_parallel_devices(tmp_path):
         trainer.prepare(make_config({"output_dir": str(tmp_path), "batch_size": 6, "data_parallel": 4}))
     with pytest.raises(ValueError, match="tau_eval_every needs held-out rows"):
         make_config({"tau_eval_every": 10})
+
+
+def test_continue_from_an_exported_draft(tmp_path, full_run):
+    setup, state, _ = full_run
+    path = trainer.export(dataclasses.replace(setup, config=dataclasses.replace(setup.config, export_dir=str(tmp_path / "d"))), state.params)
+    params, vocab = trainer.load_initial_draft(str(path), DRAFT, TARGET)
+    np.testing.assert_array_equal(vocab.d2t, setup.vocab.d2t)
+    resumed = trainer.init_state(dataclasses.replace(setup, initial_params=params))
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-2, atol=1e-3), jax.device_get(resumed.params), jax.device_get(state.params))
+    assert int(resumed.micro_step) == 0  # a new run: fresh optimizer and schedule
+    other = eagle3.Eagle3Config.from_target(TARGET, draft_vocab_size=32)
+    with pytest.raises(ValueError, match=r"draft_vocab_size': \(24, 32\)"):
+        trainer.load_initial_draft(str(path), other, TARGET)

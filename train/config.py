@@ -21,6 +21,7 @@ class TrainConfig:
     output_dir: str = "runs/eagle3"  # orbax checkpoints, vocab, metrics
     export_dir: str = ""  # EAGLE-3 HF layout at the end ("" = output_dir/draft)
     export_dtype: str = "bfloat16"
+    init_from: str = ""  # an EAGLE-3 draft directory to continue from (its draft vocabulary is kept)
 
     # Data.
     seq_len: int = 512
