@@ -166,7 +166,7 @@ def test_config_unknown_keys_and_overrides(tmp_path):
         make_config({"batch_size": "four"})
 
 
-@pytest.mark.parametrize("name", ["eagle3_smollm2", "eagle3_llama31_8b", "eagle3_qwen3_8b", "eagle3_tiny"])
+@pytest.mark.parametrize("name", ["eagle3_smollm2_stage1", "eagle3_smollm2", "eagle3_llama31_8b", "eagle3_qwen3_8b", "eagle3_tiny"])
 def test_shipped_configs_load(name):
     config = load_config(REPO / "configs" / f"{name}.yaml")
     assert config.batch_size % max(config.data_parallel, 1) == 0
