@@ -71,19 +71,25 @@ def timed_pass(engine: Engine, batches: list[list[list[int]]], sampling, max_new
     return seconds, tokens, hist
 
 
-def bench_batch_size(engines: dict[MethodSpec, Engine], batches, args) -> list[dict]:
-    """All methods at one batch size: warm-up, then --repeats interleaved passes, medians.
+def interleaved_passes(engines: dict[MethodSpec, Engine], batches, sampling, max_new_tokens: int, repeats: int) -> dict:
+    """Compile every engine, then `repeats` rounds of one timed pass each: {spec: [timed_pass, ...]}.
 
     Interleaving (ar, m1, m2, ar, m1, m2, ...) makes a drifting machine load hit every method alike.
     """
-    batch_size = len(batches[0])
-    sampling = SamplingParams.make(batch_size, args.temperature)
     for engine in engines.values():
         engine.generate(batches[0], sampling, max_new_tokens=4)  # compile
     passes: dict[MethodSpec, list] = {spec: [] for spec in engines}
-    for _ in range(args.repeats):
+    for _ in range(repeats):
         for spec, engine in engines.items():
-            passes[spec].append(timed_pass(engine, batches, sampling, args.max_new_tokens))
+            passes[spec].append(timed_pass(engine, batches, sampling, max_new_tokens))
+    return passes
+
+
+def bench_batch_size(engines: dict[MethodSpec, Engine], batches, args) -> list[dict]:
+    """All methods at one batch size: warm-up, --repeats interleaved passes (medians), step profiles."""
+    batch_size = len(batches[0])
+    sampling = SamplingParams.make(batch_size, args.temperature)
+    passes = interleaved_passes(engines, batches, sampling, args.max_new_tokens, args.repeats)
     results = []
     for spec, engine in engines.items():
         seconds = float(np.median([p[0] for p in passes[spec]]))

@@ -145,29 +145,30 @@ def switch_temperature(args, measured: dict) -> float | None:
 
 
 def measure(args, ranked: list[Candidate]) -> list[tuple[MethodSpec, float]]:
-    """Run ar, the default configuration and the best predicted ones on the task's prompts."""
+    """Run ar, the default configuration and the best predicted ones on the task's prompts, interleaved."""
     from infer import prompts as prompt_sets
+    from infer.bench import interleaved_passes
     from specjax.engine import Engine
     from specjax.sampling import SamplingParams
 
     config, params, tokenizer = load_target(args)
     prompt_set = "code" if args.task in ("code", "structured") else "chat"
-    texts = prompt_sets.load(prompt_set)[: args.batch_size]
-    texts = [texts[i % len(texts)] for i in range(args.batch_size)]
-    batch = [tokenizer.encode(tokenizer.chat_prompt(t)) for t in texts]
+    texts = prompt_sets.load(prompt_set)[: args.measure_prompts]
+    cycled = [texts[i % len(texts)] for i in range(max(args.batch_size, len(texts)))]
+    token_ids = [tokenizer.encode(tokenizer.chat_prompt(t)) for t in cycled]
+    batches = [token_ids[i : i + args.batch_size] for i in range(0, len(token_ids) - args.batch_size + 1, args.batch_size)]
     default = MethodSpec("eagle3") if args.eagle3_available else MethodSpec("ngram")
     specs = list(dict.fromkeys([MethodSpec("ar"), default] + [c.spec for c in ranked[: args.measure_top]]))
+    engines = {
+        spec: Engine(config, params, build_drafter(spec, config, params, args.draft, args.dtype),
+                     max_len=args.max_len, eos_ids=tokenizer.eos_token_ids)
+        for spec in specs
+    }
     sampling = SamplingParams.make(args.batch_size, args.temperature)
+    passes = interleaved_passes(engines, batches, sampling, args.max_new_tokens, args.repeats)
     results = []
-    for spec in specs:
-        engine = Engine(config, params, build_drafter(spec, config, params, args.draft, args.dtype),
-                        max_len=args.max_len, eos_ids=tokenizer.eos_token_ids)
-        engine.generate(batch, sampling, max_new_tokens=4)  # compile
-        rates = []
-        for repeat in range(args.repeats):
-            stats = engine.generate(batch, sampling, max_new_tokens=args.max_new_tokens, seed=repeat)
-            rates.append((stats.num_generated - len(batch)) / stats.decode_s)
-        results.append((spec, float(np.median(rates))))
+    for spec, runs in passes.items():
+        results.append((spec, float(np.median([tokens / seconds for seconds, tokens, _ in runs]))))
         print(f"  measured {spec.label:<16} {results[-1][1]:7.1f} tokens/s", file=sys.stderr)
     return results
 
@@ -229,6 +230,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--bench", default=None, help="bench JSON with measured acceptance and costs")
     parser.add_argument("--measure", action="store_true", help="run the best predicted configurations and pick empirically")
     parser.add_argument("--measure-top", type=int, default=3)
+    parser.add_argument("--measure-prompts", type=int, default=4, help="prompts of the task's built-in set, cycled into batches")
     parser.add_argument("--max-new-tokens", type=int, default=48)
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--markdown", default=None, help="also write the recommendation to this Markdown file")
