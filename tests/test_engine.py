@@ -40,8 +40,10 @@ def autoregressive():
 
 @pytest.mark.parametrize("method", sorted(DRAFTERS))
 def test_greedy_speculative_equals_autoregressive(method, autoregressive):
-    # Batch 1: test_prompt_at_the_cache_limit (n-gram) and test_new_prompts_do_not_recompile (tree).
-    batch = engine_for(method).generate(PROMPTS, max_new_tokens=NEW_TOKENS)
+    engine = engine_for(method)
+    single = engine.generate(PROMPTS[:1], max_new_tokens=NEW_TOKENS)
+    assert single.tokens[0] == autoregressive[0]
+    batch = engine.generate(PROMPTS, max_new_tokens=NEW_TOKENS)
     assert batch.tokens == autoregressive
     assert all(len(t) == NEW_TOKENS for t in batch.tokens)
     assert batch.calls.sum() > 0
