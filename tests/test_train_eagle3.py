@@ -316,3 +316,20 @@ def test_continue_from_an_exported_draft(tmp_path, full_run):
     other = eagle3.Eagle3Config.from_target(TARGET, draft_vocab_size=32)
     with pytest.raises(ValueError, match=r"draft_vocab_size': \(24, 32\)"):
         trainer.load_initial_draft(str(path), other, TARGET)
+
+
+def test_conversation_files_in_the_usual_shapes(tmp_path):
+    records = [
+        {"conversations": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]},
+        {"conversations": [{"from": "human", "value": "bye"}, {"from": "gpt", "value": "see you"}]},
+        {"messages": [{"role": "system", "content": "be brief"}, {"role": "user", "content": "x"}, {"role": "assistant", "content": "y"}]},
+        {"conversations": [], "source": "dropped by self-distillation"},
+    ]
+    path = tmp_path / "chats.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    conversations = data.load_conversations([str(path)])
+    assert [[m["role"] for m in c] for c in conversations] == [["user", "assistant"]] * 2 + [["system", "user", "assistant"]]
+    assert conversations[1][1] == {"role": "assistant", "content": "see you"}
+    path.write_text(json.dumps({"turns": []}) + "\n")
+    with pytest.raises(ValueError, match="neither 'conversations' nor 'messages'"):
+        data.load_conversations([str(path)])

@@ -28,7 +28,9 @@ def load_tokenizer(path: str):
 
 
 def _messages(record: dict[str, Any]) -> list[dict[str, str]]:
-    turns = record.get("conversations") or record.get("messages")
+    turns = record.get("conversations")
+    if turns is None:  # datasets fills a column missing from a record with None
+        turns = record.get("messages")
     if turns is None:
         raise ValueError(f"record has neither 'conversations' nor 'messages': {sorted(record)}")
     messages = []
@@ -36,12 +38,13 @@ def _messages(record: dict[str, Any]) -> list[dict[str, str]]:
         role = _ROLES.get(turn.get("role") or turn.get("from"))
         if role is None:
             raise ValueError(f"unknown role in turn {turn}")
-        messages.append({"role": role, "content": turn.get("content", turn.get("value"))})
+        content = turn.get("content")
+        messages.append({"role": role, "content": turn.get("value") if content is None else content})
     return messages
 
 
 def load_conversations(files: tuple[str, ...] | list[str]) -> list[list[dict[str, str]]]:
-    """Every conversation in the files, in file order."""
+    """Every conversation of the files with an assistant turn (nothing to learn otherwise), in file order."""
     import datasets
 
     by_format: dict[str, list[str]] = {}
@@ -55,7 +58,7 @@ def load_conversations(files: tuple[str, ...] | list[str]) -> list[list[dict[str
     for kind, paths in by_format.items():
         dataset = datasets.load_dataset(kind, data_files=paths, split="train")
         conversations += [_messages(record) for record in dataset]
-    return conversations
+    return [c for c in conversations if any(m["role"] == "assistant" for m in c)]
 
 
 def tokenize_conversation(tokenizer, messages: list[dict[str, str]]) -> tuple[np.ndarray, np.ndarray]:
