@@ -27,7 +27,7 @@ from specjax.sampling import SamplingParams, probs
 from goodness_of_fit import chi_square_pvalue
 
 VOCAB = 12
-ROWS = 20_000
+ROWS = 12_000
 CONFIG = tiny_config(vocab_size=VOCAB, num_layers=4, hidden_size=16)
 PARAMS = tiny_params(CONFIG, seed=1, scale=10.0)
 DRAFT_CONFIG = tiny_config(vocab_size=VOCAB, num_layers=1, hidden_size=16)
