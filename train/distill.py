@@ -111,7 +111,7 @@ def regenerate_to_file(
     max_len = -(-(max_prompt_tokens + max_new_tokens + 1) // 64) * 64
     eos_ids = tuple(dict.fromkeys(target_config.eos_token_ids + ((tokenizer.eos_token_id,) if tokenizer.eos_token_id is not None else ())))
     engine = Engine(target_config, target_params, max_len=max_len, attention_chunk=64, eos_ids=eos_ids)
-    start, generated = time.time(), 0
+    start, generated, done = time.time(), 0, len(written)
     progress = tqdm(total=len(records), initial=len(written), unit="conv", desc="self-distill", dynamic_ncols=True)
     with path.open("a") as file:
         for first in range(len(written), len(records), batch_size):
@@ -131,11 +131,12 @@ def regenerate_to_file(
             for record, messages in zip(chunk, results):
                 file.write(json.dumps({**record, "conversations": messages}) + "\n")
             file.flush()
+            done += len(chunk)
             generated += tokens
             progress.update(len(chunk))
             progress.set_postfix(tok_s=f"{generated / (time.time() - start):.0f}")
     progress.close()
-    return len(path.read_text().splitlines())
+    return done
 
 
 def _first_user_turn(messages: Messages) -> str:
