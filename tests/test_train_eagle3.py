@@ -333,3 +333,34 @@ def test_conversation_files_in_the_usual_shapes(tmp_path):
     path.write_text(json.dumps({"turns": []}) + "\n")
     with pytest.raises(ValueError, match="neither 'conversations' nor 'messages'"):
         data.load_conversations([str(path)])
+
+
+def test_continue_with_a_rebuilt_draft_vocabulary(tmp_path, full_run):
+    setup, state, _ = full_run
+    path = trainer.export(dataclasses.replace(setup, config=dataclasses.replace(setup.config, export_dir=str(tmp_path / "d"))), state.params)
+    larger = eagle3.Eagle3Config.from_target(TARGET, draft_vocab_size=32)
+    params, vocab = trainer.load_initial_draft(str(path), larger, TARGET, any_vocab_size=True)
+    with pytest.raises(ValueError, match=r"intermediate_size"):  # only the vocabulary size may differ
+        trainer.load_initial_draft(str(path), dataclasses.replace(larger, intermediate_size=32), TARGET, any_vocab_size=True)
+
+    old_ids = np.asarray(vocab.target_ids)  # [24]
+    new_ids = np.sort(np.concatenate([old_ids[::2], np.setdiff1d(np.arange(64), old_ids)[:20]]))  # [32]
+    remapped = trainer.remap_draft_head(params, old_ids, new_ids, setup.target_params, TARGET)
+    head, new_head, target_head = (np.asarray(h) for h in (params["lm_head"], remapped["lm_head"], setup.target_params["lm_head"]))
+    assert new_head.shape == (32, 32)
+    for column, token in enumerate(new_ids):
+        if token in old_ids:  # trained column kept
+            np.testing.assert_array_equal(new_head[:, column], head[:, np.searchsorted(old_ids, token)])
+        else:  # the target's output embedding, rescaled
+            cosine = new_head[:, column] @ target_head[:, token] / np.linalg.norm(new_head[:, column]) / np.linalg.norm(target_head[:, token])
+            assert cosine == pytest.approx(1.0, abs=1e-5)
+    ratios = np.linalg.norm(head[:, ::2], axis=0) / np.linalg.norm(target_head[:, old_ids[::2]], axis=0)
+    fresh = np.setdiff1d(new_ids, old_ids)[0]
+    np.testing.assert_allclose(
+        np.linalg.norm(new_head[:, np.searchsorted(new_ids, fresh)]), np.median(ratios) * np.linalg.norm(target_head[:, fresh]), rtol=1e-5
+    )
+    assert all(np.array_equal(remapped[k], params[k]) for k in params if k != "lm_head")
+    with pytest.raises(ValueError, match="shares no token"):
+        trainer.remap_draft_head(params, old_ids, np.setdiff1d(np.arange(64), old_ids)[:8], setup.target_params, TARGET)
+    with pytest.raises(ValueError, match="init_vocab must be 'keep' or 'rebuild'"):
+        make_config({"init_vocab": "extend"})

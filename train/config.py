@@ -21,7 +21,8 @@ class TrainConfig:
     output_dir: str = "runs/eagle3"  # orbax checkpoints, vocab, metrics
     export_dir: str = ""  # EAGLE-3 HF layout at the end ("" = output_dir/draft)
     export_dtype: str = "bfloat16"
-    init_from: str = ""  # an EAGLE-3 draft directory to continue from (its draft vocabulary is kept)
+    init_from: str = ""  # an EAGLE-3 draft directory to continue from
+    init_vocab: str = "keep"  # "keep" init_from's draft vocabulary, or "rebuild" it from this run's data
 
     # Data.
     seq_len: int = 512
@@ -70,6 +71,8 @@ class TrainConfig:
     def __post_init__(self):
         if self.features not in ("online", "offline"):
             raise ValueError(f"features must be 'online' or 'offline', got {self.features!r}")
+        if self.init_vocab not in ("keep", "rebuild"):
+            raise ValueError(f"init_vocab must be 'keep' or 'rebuild', got {self.init_vocab!r}")
         if self.compute_dtype not in ("float32", "bfloat16"):
             raise ValueError(f"compute_dtype must be 'float32' or 'bfloat16', got {self.compute_dtype!r}")
         if self.ttt_length < 1 or self.batch_size < 1 or self.grad_accum_steps < 1:

@@ -340,10 +340,15 @@ def precompute_features(
 
 
 def load_initial_draft(
-    path: str, draft_config: eagle3.Eagle3Config, target_config: ModelConfig
+    path: str, draft_config: eagle3.Eagle3Config, target_config: ModelConfig, *, any_vocab_size: bool = False
 ) -> tuple[eagle3.Params, eagle3.DraftVocab]:
-    """Float32 params and vocabulary of an EAGLE-3 draft to continue training; it must fit this run."""
+    """Float32 params and vocabulary of an EAGLE-3 draft to continue training; it must fit this run.
+
+    any_vocab_size: accept a different draft_vocab_size (the head is then remapped, see remap_draft_head).
+    """
     config, params, vocab = load_eagle3(path, target_vocab_size=target_config.vocab_size)
+    if any_vocab_size:
+        config = dataclasses.replace(config, draft_vocab_size=draft_config.draft_vocab_size)
     if config != draft_config:
         differences = {
             field.name: (getattr(config, field.name), getattr(draft_config, field.name))
@@ -352,6 +357,30 @@ def load_initial_draft(
         }
         raise ValueError(f"init_from {path}: the draft differs from this run's (draft, run): {differences}")
     return params, vocab
+
+
+def remap_draft_head(
+    params: eagle3.Params, old_ids: np.ndarray, new_ids: np.ndarray, target_params: llama.Params, target_config: ModelConfig
+) -> eagle3.Params:
+    """The draft moved to a new vocabulary (sorted target ids old_ids [Vo] -> new_ids [Vn]).
+
+    Tokens in both keep their trained lm_head column. A new token starts from the target's output
+    embedding of it, scaled by the median norm ratio of trained to target columns over the shared tokens.
+    """
+    head = np.asarray(params["lm_head"], np.float32)  # [H, Vo]
+    if target_config.tie_word_embeddings:
+        target_head = np.asarray(target_params["embed_tokens"], np.float32).T  # [H, V]
+    else:
+        target_head = np.asarray(target_params["lm_head"], np.float32)  # [H, V]
+    shared, old_index, new_index = np.intersect1d(old_ids, new_ids, return_indices=True)
+    if len(shared) == 0:
+        raise ValueError("the new draft vocabulary shares no token with init_from's: nothing to carry over")
+    target_norms = np.linalg.norm(target_head[:, shared], axis=0)  # [S]
+    trained_norms = np.linalg.norm(head[:, old_index], axis=0)  # [S]
+    scale = np.median(trained_norms[target_norms > 0] / target_norms[target_norms > 0])
+    new_head = scale * target_head[:, new_ids]  # [H, Vn]
+    new_head[:, new_index] = head[:, old_index]
+    return {**params, "lm_head": jnp.asarray(new_head)}
 
 
 def self_distill(config: TrainConfig, target_config, target_params, tokenizer, conversations):
@@ -404,11 +433,18 @@ def prepare(config: TrainConfig) -> Setup:
     draft_config = eagle3.Eagle3Config.from_target(target_config, config.draft_vocab_size)
     vocab_file = output_dir / "draft_vocab.npy"
     initial_params = None
-    if config.init_from:
-        initial_params, initial_vocab = load_initial_draft(config.init_from, draft_config, target_config)
-        np.save(vocab_file, np.asarray(initial_vocab.target_ids))
-    elif not vocab_file.exists():
+    rebuild = config.init_vocab == "rebuild" or not config.init_from
+    if rebuild and not vocab_file.exists():
         np.save(vocab_file, data.draft_vocab_ids(train_rows, config.draft_vocab_size, target_config.vocab_size))
+    if config.init_from:
+        initial_params, initial_vocab = load_initial_draft(
+            config.init_from, draft_config, target_config, any_vocab_size=rebuild
+        )
+        initial_ids = np.asarray(initial_vocab.target_ids)
+        if rebuild:
+            initial_params = remap_draft_head(initial_params, initial_ids, np.load(vocab_file), target_params, target_config)
+        else:
+            np.save(vocab_file, initial_ids)
     vocab = eagle3.DraftVocab.from_target_ids(jnp.asarray(np.load(vocab_file)), target_config.vocab_size)
 
     offline = None
