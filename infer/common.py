@@ -15,7 +15,7 @@ from specjax.models.config import ModelConfig
 from specjax import tokenizer as tokenizer_lib
 from specjax.tokenizer import Tokenizer
 
-METHODS = ("ar", "ngram", "draft", "eagle3")
+METHODS = ("ar", "ngram", "draft", "eagle3", "eagle3+ngram")  # eagle3+ngram: lookup-first, EAGLE-3 chain elsewhere
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 
 
@@ -99,12 +99,16 @@ def build_drafter(spec: MethodSpec, config: ModelConfig, params, draft_path: str
         return DraftModelDrafter(draft_config, draft_params, num_draft=spec.num_spec)
     from specjax.checkpoints.eagle3 import load_eagle3
     from specjax.drafters.eagle3 import Eagle3Drafter, default_draft_path
+    from specjax.drafters.lookup_first import LookupFirstDrafter
 
+    if spec.method == "eagle3+ngram" and spec.tree:
+        raise ValueError("eagle3+ngram drafts chains only (--num-spec N), not trees")
     head_config, head_params, vocab = load_eagle3(
         draft_path or default_draft_path(), target_vocab_size=config.vocab_size, dtype=DTYPES[dtype]
     )
     depth, top_k, nodes = spec.tree or (spec.num_spec, 1, spec.num_spec)
-    return Eagle3Drafter(head_config, head_params, vocab, config, params, depth=depth, top_k=top_k, tree_nodes=nodes)
+    head = Eagle3Drafter(head_config, head_params, vocab, config, params, depth=depth, top_k=top_k, tree_nodes=nodes)
+    return LookupFirstDrafter(head) if spec.method == "eagle3+ngram" else head
 
 
 def method_summary(label: str, stats: Stats, compile_s: float) -> str:

@@ -9,6 +9,7 @@ from specjax import tree as tree_lib
 from specjax.drafters.base import Drafter, Proposal
 from specjax.drafters.draft_model import DraftModelDrafter
 from specjax.drafters.eagle3 import Eagle3Drafter
+from specjax.drafters.lookup_first import LookupFirstDrafter
 from specjax.drafters.ngram import NgramDrafter
 from specjax.models import eagle3, llama
 from specjax.models.config import ModelConfig
@@ -105,6 +106,7 @@ def all_drafters(config: ModelConfig, params) -> dict[str, Drafter]:
         "draft-self": DraftModelDrafter(config, params, num_draft=3),
         "eagle3-chain": eagle3_drafter(config, params, depth=3),
         "eagle3-tree": eagle3_drafter(config, params, depth=3, top_k=2, nodes=6),
+        "eagle3-lookup-first": LookupFirstDrafter(eagle3_drafter(config, params, depth=3), min_match=2),
         "oracle-tree": OracleTreeDrafter(config, params, depth=3),
     }
 

@@ -16,16 +16,20 @@ from specjax.drafters.base import ChainDrafter, Proposal, StepContext
 from specjax.sampling import SamplingParams
 
 
-def lookup(history: jax.Array, length: jax.Array, num_draft: int, max_ngram: int, min_ngram: int) -> jax.Array:
+def lookup(
+    history: jax.Array, length: jax.Array, num_draft: int, max_ngram: int, min_ngram: int
+) -> tuple[jax.Array, jax.Array]:
     """Continuation of the most recent earlier match of the sequence's suffix (one row).
 
     history: [S] tokens; the sequence is history[:length + 1] (the pending token at `length`).
-    Returns [num_draft] proposed tokens. Without any match it repeats the last token.
+    Returns ([num_draft] proposed tokens, [] int32 size of the matched suffix, 0 if none).
+    Without any match it proposes the last token repeated.
     """
     seq_len = history.shape[0]
     last = length  # index of the pending token, the end of the suffix
     ends = jnp.arange(seq_len)  # candidate end index j of an earlier occurrence
     best_end = jnp.full((), -1, jnp.int32)
+    best_size = jnp.zeros((), jnp.int32)
     matches = jnp.ones((seq_len,), bool)
     for size in range(1, max_ngram + 1):
         offset = size - 1
@@ -35,8 +39,9 @@ def lookup(history: jax.Array, length: jax.Array, num_draft: int, max_ngram: int
         found_end = jnp.max(jnp.where(candidates, ends, -1))
         longer_found = (size >= min_ngram) & (found_end >= 0) & (last >= offset)
         best_end = jnp.where(longer_found, found_end, best_end)
+        best_size = jnp.where(longer_found, size, best_size)
     indices = jnp.minimum(best_end + 1 + jnp.arange(num_draft), last)
-    return jnp.where(best_end >= 0, history[indices], history[last])
+    return jnp.where(best_end >= 0, history[indices], history[last]), best_size
 
 
 class NgramDrafter(ChainDrafter):
@@ -52,7 +57,7 @@ class NgramDrafter(ChainDrafter):
         return ()
 
     def propose(self, params, state, key, ctx: StepContext, sampling: SamplingParams):
-        drafts = jax.vmap(lookup, in_axes=(0, 0, None, None, None))(
+        drafts, _ = jax.vmap(lookup, in_axes=(0, 0, None, None, None))(
             ctx.history, ctx.lengths, self.num_draft, self.max_ngram, self.min_ngram
         )  # [B, N]
         tokens = jnp.concatenate([ctx.pending[:, None], drafts], axis=1)  # [B, N + 1]

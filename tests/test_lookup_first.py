@@ -1,0 +1,52 @@
+"""Lookup-first drafting: per-row choice between prompt lookup and the EAGLE-3 chain."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from engine_helpers import eagle3_drafter, tiny_config, tiny_params
+from specjax.drafters.base import StepContext
+from specjax.drafters.lookup_first import LookupFirstDrafter
+from specjax.drafters.ngram import lookup
+from specjax.sampling import SamplingParams
+
+CONFIG = tiny_config(num_layers=2)
+PARAMS = tiny_params(CONFIG, seed=0, scale=30.0)
+
+
+def test_lookup_reports_the_matched_suffix_size():
+    history = jnp.array([1, 2, 3, 4, 9, 2, 3, 0, 0], jnp.int32)  # sequence 1 2 3 4 9 2 3 (pending 3 at 6)
+    drafts, size = lookup(history, jnp.int32(6), 3, 4, 1)
+    assert int(size) == 2 and list(np.asarray(drafts)) == [4, 9, 2]  # "2 3" matched, followed by 4 9 2
+    _, none = lookup(jnp.array([1, 2, 3, 4, 5, 0], jnp.int32), jnp.int32(4), 3, 4, 1)
+    assert int(none) == 0
+
+
+def test_rows_with_a_long_enough_match_take_the_lookup_chain():
+    drafter = LookupFirstDrafter(eagle3_drafter(CONFIG, PARAMS, depth=3), min_match=3, max_ngram=4)
+    history = jnp.array(
+        [
+            [10, 11, 12, 13, 14, 10, 11, 12, 0, 0],  # "10 11 12" occurred before: lookup proposes 13 14 10
+            [10, 11, 12, 13, 14, 20, 11, 12, 0, 0],  # only "11 12" repeats: below min_match, EAGLE-3 chain
+        ],
+        jnp.int32,
+    )
+    lengths = jnp.array([7, 7], jnp.int32)
+    ctx = StepContext(pending=history[:, 7], lengths=lengths, history=history, active=jnp.array([True, True]))
+    state = drafter.init_state(2, 16)
+    _, proposal = drafter.propose(drafter.params, state, jax.random.key(0), ctx, SamplingParams.make(2))
+    _, head_proposal = drafter.head.propose(drafter.params, state, jax.random.key(0), ctx, SamplingParams.make(2))
+    tokens = np.asarray(proposal.tokens)
+    assert list(tokens[0]) == [12, 13, 14, 10]
+    np.testing.assert_array_equal(tokens[1], np.asarray(head_proposal.tokens)[1])
+    np.testing.assert_array_equal(proposal.tree.parents, head_proposal.tree.parents)
+
+
+def test_needs_an_eagle3_chain():
+    with pytest.raises(ValueError, match="needs an EAGLE-3 chain"):
+        LookupFirstDrafter(eagle3_drafter(CONFIG, PARAMS, depth=3, top_k=2, nodes=4))
+    with pytest.raises(ValueError, match="min_match <= max_ngram"):
+        LookupFirstDrafter(eagle3_drafter(CONFIG, PARAMS, depth=3), min_match=4, max_ngram=2)
