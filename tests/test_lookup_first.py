@@ -43,6 +43,12 @@ def test_rows_with_a_long_enough_match_take_the_lookup_chain():
     assert list(tokens[0]) == [12, 13, 14, 10]
     np.testing.assert_array_equal(tokens[1], np.asarray(head_proposal.tokens)[1])
     np.testing.assert_array_equal(proposal.tree.parents, head_proposal.tree.parents)
+    np.testing.assert_array_equal(proposal.tree.depths, head_proposal.tree.depths)
+
+    # Every live row matches (row 1 has finished): the lookup chain alone, the head's drafting skipped.
+    ctx = ctx.replace(history=history.at[1].set(history[0]), active=jnp.array([True, False]))
+    _, proposal = drafter.propose(drafter.params, state, jax.random.key(0), ctx, SamplingParams.make(2))
+    assert [list(row) for row in np.asarray(proposal.tokens)] == [[12, 13, 14, 10]] * 2
 
 
 def test_needs_an_eagle3_chain():

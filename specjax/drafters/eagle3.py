@@ -131,13 +131,24 @@ class Eagle3Drafter(Drafter):
         )
 
     def propose(self, params, state: Eagle3State, key, ctx: StepContext, sampling):
-        batch = ctx.pending.shape[0]
+        state, hidden, logits = self.read_unread(params, state, ctx)
+        return state, self.draft(params, state.cache, hidden, logits, ctx)
+
+    def read_unread(self, params, state: Eagle3State, ctx: StepContext) -> tuple[Eagle3State, jax.Array, jax.Array]:
+        """Commit the entries accepted since the last proposal to the head's cache.
+
+        Returns the state and the head output at the newest entry: h [B, H], logits [B, Vd].
+        """
         width = self.depth + 1
         # The newest entry's next token is the pending token.
         slot = jnp.arange(width)[None, :]
         next_tokens = jnp.where(slot == state.num_unread[:, None] - 1, ctx.pending[:, None], state.next_tokens)
         cache, hidden, logits = self._read(params, state.cache, state.features, next_tokens, state.num_unread)
+        return state.replace(cache=cache), hidden, logits
 
+    def draft(self, params, cache: kv.KVCache, hidden: jax.Array, logits: jax.Array, ctx: StepContext) -> Proposal:
+        """The EAGLE-2 tree (a chain for top_k 1) grown from the newest entry's h [B, H] and logits [B, Vd]."""
+        batch = ctx.pending.shape[0]
         k = self.top_k
         # Pool of candidates, level by level: draft ids, parent pool index (-1: root), score, depth.
         scores, ids = jax.lax.top_k(jax.nn.log_softmax(logits, -1), k)  # [B, K]
@@ -201,8 +212,7 @@ class Eagle3Drafter(Drafter):
             max_depth=self.depth,
         )
         tokens = eagle3.draft_to_target(jnp.take_along_axis(ids, kept, 1), params["d2t"])
-        proposal = Proposal(tree=tree, tokens=jnp.concatenate([ctx.pending[:, None], tokens], 1))
-        return state.replace(cache=cache), proposal
+        return Proposal(tree=tree, tokens=jnp.concatenate([ctx.pending[:, None], tokens], 1))
 
     def update(self, params, state: Eagle3State, ctx: StepContext, proposal: Proposal, verdict, features):
         path = verdict.path  # [B, D + 1]

@@ -16,6 +16,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from specjax import tree as tree_lib
 from specjax.drafters.base import Drafter, Proposal, StepContext
 from specjax.drafters.eagle3 import Eagle3Drafter
 from specjax.drafters.ngram import lookup
@@ -56,14 +57,20 @@ class LookupFirstDrafter(Drafter):
         return self.head.prefill(params, state, chunk)
 
     def propose(self, params, state, key: jax.Array, ctx: StepContext, sampling: SamplingParams):
-        state, proposal = self.head.propose(params, state, key, ctx, sampling)  # chain [B, D + 1]
+        state, hidden, logits = self.head.read_unread(params, state, ctx)
         looked_up, matched = jax.vmap(lookup, in_axes=(0, 0, None, None, None))(
             ctx.history, ctx.lengths, self.head.depth, self.max_ngram, self.min_match
         )  # [B, D], [B]
         use_lookup = matched >= self.min_match  # [B]
-        drafted = jnp.where(use_lookup[:, None], looked_up, proposal.tokens[:, 1:])
+
+        def with_head():
+            drafted = self.head.draft(params, state.cache, hidden, logits, ctx).tokens[:, 1:]  # [B, D]
+            return jnp.where(use_lookup[:, None], looked_up, drafted)
+
+        # The head's chain costs sequential forwards; skip them when no live row needs it.
+        drafted = jax.lax.cond(jnp.all(use_lookup | ~ctx.active), lambda: looked_up, with_head)
         tokens = jnp.concatenate([ctx.pending[:, None], drafted], axis=1)  # [B, D + 1]
-        return state, Proposal(tree=proposal.tree, tokens=tokens)
+        return state, Proposal(tree=tree_lib.chain(ctx.pending.shape[0], self.head.depth), tokens=tokens)
 
     def update(self, params, state, ctx, proposal, verdict, features):
         return self.head.update(params, state, ctx, proposal, verdict, features)
