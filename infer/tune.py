@@ -32,11 +32,13 @@ PRIOR_ALPHA = {
     "ngram": {"chat": 0.25, "code": 0.6, "structured": 0.55, "long-form": 0.2, "creative": 0.1},
     "eagle3": {"chat": 0.7, "code": 0.75, "structured": 0.75, "long-form": 0.65, "creative": 0.55},
     "draft": {"chat": 0.6, "code": 0.65, "structured": 0.65, "long-form": 0.55, "creative": 0.45},
+    # Lookup-first EAGLE-3: the EAGLE-3 prior, plus part of what lookup adds where text repeats.
+    "eagle3+ngram": {"chat": 0.71, "code": 0.82, "structured": 0.8, "long-form": 0.66, "creative": 0.55},
 }
 # Acceptance decays with temperature: alpha(T) = alpha(0) * exp(-decay * T) (prior).
-TEMPERATURE_DECAY = {"ngram": 0.9, "eagle3": 0.35, "draft": 0.3}
+TEMPERATURE_DECAY = {"ngram": 0.9, "eagle3": 0.35, "draft": 0.3, "eagle3+ngram": 0.45}
 # Draft cost per drafted position, in decode steps (prior): n-gram is free.
-PRIOR_DRAFT_COST = {"ngram": 0.0, "eagle3": 0.05, "draft": 0.25}
+PRIOR_DRAFT_COST = {"ngram": 0.0, "eagle3": 0.05, "draft": 0.25, "eagle3+ngram": 0.05}
 # Verifying k tokens at batch B costs 1 + VERIFY_SLOPE * (k - 1) * B decode steps (prior; CPU-like).
 VERIFY_SLOPE = 0.13
 
@@ -87,9 +89,8 @@ def chain_tau(alpha: float, n: int, curve: list[float] | None) -> float:
 def candidates(args, measured: dict) -> list[Candidate]:
     """Every configuration in the search space with its predicted speedup."""
     out = [Candidate(MethodSpec("ar"), 1.0, 1.0, "plain decoding: one token per target step")]
-    methods = ["ngram", "eagle3"] + (["draft"] if args.draft_available else [])
-    if not args.eagle3_available:
-        methods.remove("eagle3")
+    methods = ["ngram"] + (["eagle3", "eagle3+ngram"] if args.eagle3_available else [])
+    methods += ["draft"] if args.draft_available else []
     for method in methods:
         alpha0 = PRIOR_ALPHA[method][args.task]
         alpha = alpha0 * np.exp(-TEMPERATURE_DECAY[method] * args.temperature)
