@@ -27,6 +27,10 @@ def test_generate_speculative_text_equals_autoregressive(capsys):
     assert "tau" in ngram and "acceptance by position" in ngram
     streamed = run_generate(capsys, "--method", "ngram", "--num-spec", "4", *common[:-1])
     assert streamed.startswith(text(plain))
+    lookup_first = run_generate(capsys, "--method", "eagle3+ngram", "--num-spec", "3", *common)  # the shipped draft
+    assert text(lookup_first) == text(plain) and "tau" in lookup_first
+    with pytest.raises(ValueError, match="eagle3\\+ngram drafts chains only"):
+        generate.main(["--method", "eagle3+ngram", "--tree", "3,2,4", *common])
 
 
 @pytest.mark.slow
@@ -42,12 +46,14 @@ def test_unknown_option_is_an_error(capsys):
 
 
 def test_method_specs_parse_and_fail_clearly():
-    specs = bench.split_methods("ngram:5,eagle3:4,4,16,eagle3:3")
-    assert [s.label for s in specs] == ["ar", "ngram:5", "eagle3:4,4,16", "eagle3:3"]
+    specs = bench.split_methods("ngram:5,eagle3:4,4,16,eagle3:3,eagle3+ngram:3")
+    assert [s.label for s in specs] == ["ar", "ngram:5", "eagle3:4,4,16", "eagle3:3", "eagle3+ngram:3"]
     with pytest.raises(ValueError, match="unknown method 'medusa'"):
         bench.split_methods("medusa:3")
     with pytest.raises(ValueError, match="only eagle3 drafts trees"):
         bench.split_methods("ngram:4,4,16")
+    with pytest.raises(ValueError, match="only eagle3 drafts trees"):
+        bench.split_methods("eagle3+ngram:4,2,8")
 
 
 @pytest.mark.slow
