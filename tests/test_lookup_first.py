@@ -2,15 +2,20 @@
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import test_engine_sampling as sampling
 from engine_helpers import eagle3_drafter, tiny_config, tiny_params
+from goodness_of_fit import chi_square_pvalue
 from specjax.drafters.base import StepContext
 from specjax.drafters.lookup_first import LookupFirstDrafter
 from specjax.drafters.ngram import lookup
+from specjax.engine import Engine
 from specjax.sampling import SamplingParams
 
 CONFIG = tiny_config(num_layers=2)
@@ -37,8 +42,9 @@ def test_rows_with_a_long_enough_match_take_the_lookup_chain():
     lengths = jnp.array([7, 7], jnp.int32)
     ctx = StepContext(pending=history[:, 7], lengths=lengths, history=history, active=jnp.array([True, True]))
     state = drafter.init_state(2, 16)
-    _, proposal = drafter.propose(drafter.params, state, jax.random.key(0), ctx, SamplingParams.make(2))
-    _, head_proposal = drafter.head.propose(drafter.params, state, jax.random.key(0), ctx, SamplingParams.make(2))
+    propose, head_propose = jax.jit(drafter.propose), jax.jit(drafter.head.propose)  # eager would dispatch op by op
+    _, proposal = propose(drafter.params, state, jax.random.key(0), ctx, SamplingParams.make(2))
+    _, head_proposal = head_propose(drafter.params, state, jax.random.key(0), ctx, SamplingParams.make(2))
     tokens = np.asarray(proposal.tokens)
     assert list(tokens[0]) == [12, 13, 14, 10]
     np.testing.assert_array_equal(tokens[1], np.asarray(head_proposal.tokens)[1])
@@ -47,7 +53,7 @@ def test_rows_with_a_long_enough_match_take_the_lookup_chain():
 
     # Every live row matches (row 1 has finished): the lookup chain alone, the head's drafting skipped.
     ctx = ctx.replace(history=history.at[1].set(history[0]), active=jnp.array([True, False]))
-    _, proposal = drafter.propose(drafter.params, state, jax.random.key(0), ctx, SamplingParams.make(2))
+    _, proposal = propose(drafter.params, state, jax.random.key(0), ctx, SamplingParams.make(2))
     assert [list(row) for row in np.asarray(proposal.tokens)] == [[12, 13, 14, 10]] * 2
 
 
@@ -56,3 +62,17 @@ def test_needs_an_eagle3_chain():
         LookupFirstDrafter(eagle3_drafter(CONFIG, PARAMS, depth=3, top_k=2, nodes=4))
     with pytest.raises(ValueError, match="min_match <= max_ngram"):
         LookupFirstDrafter(eagle3_drafter(CONFIG, PARAMS, depth=3), min_match=4, max_ngram=2)
+
+
+@functools.cache
+def sampling_engine() -> Engine:
+    """min_match 1 on a 12-token vocabulary: rows switch between lookup and the head every step."""
+    drafter = LookupFirstDrafter(eagle3_drafter(sampling.CONFIG, sampling.PARAMS, depth=2), min_match=1)
+    return Engine(sampling.CONFIG, sampling.PARAMS, drafter, max_len=sampling.MAX_LEN, eos_ids=())
+
+
+@pytest.mark.parametrize("setting", sorted(sampling.SETTINGS))
+def test_first_three_tokens_follow_the_target(setting):
+    """The engine-level chi-square check of test_engine_sampling.py, for lookup-first drafting."""
+    samples = sampling.sample_joint(sampling_engine(), sampling.SETTINGS[setting], seed=11)
+    assert chi_square_pvalue(samples, sampling.exact_joint(sampling.SETTINGS[setting])) > 1e-4
