@@ -58,6 +58,10 @@ class MethodSpec:
     num_spec: int = 5
     tree: tuple[int, int, int] | None = None
 
+    def __post_init__(self):
+        if self.tree and self.method != "eagle3":
+            raise ValueError(f"{self.method}: only eagle3 drafts trees (DEPTH,TOPK,NODES); use a chain of N tokens")
+
     @classmethod
     def parse(cls, text: str) -> MethodSpec:
         method, _, params = text.partition(":")
@@ -66,8 +70,6 @@ class MethodSpec:
         if not params:
             return cls(method)
         if params.count(",") == 2:
-            if method != "eagle3":
-                raise ValueError(f"{text!r}: only eagle3 drafts trees (DEPTH,TOPK,NODES)")
             return cls(method, tree=parse_tree(params))
         if not params.isdigit() or int(params) < 1:
             raise ValueError(f"{text!r}: expected METHOD:N with N >= 1 drafted tokens, or eagle3:DEPTH,TOPK,NODES")
@@ -101,8 +103,6 @@ def build_drafter(spec: MethodSpec, config: ModelConfig, params, draft_path: str
     from specjax.drafters.eagle3 import Eagle3Drafter, default_draft_path
     from specjax.drafters.lookup_first import LookupFirstDrafter
 
-    if spec.method == "eagle3+ngram" and spec.tree:
-        raise ValueError("eagle3+ngram drafts chains only (--num-spec N), not trees")
     head_config, head_params, vocab = load_eagle3(
         draft_path or default_draft_path(), target_vocab_size=config.vocab_size, dtype=DTYPES[dtype]
     )

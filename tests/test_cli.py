@@ -29,7 +29,7 @@ def test_generate_speculative_text_equals_autoregressive(capsys):
     assert streamed.startswith(text(plain))
     lookup_first = run_generate(capsys, "--method", "eagle3+ngram", "--num-spec", "3", *common)  # the shipped draft
     assert text(lookup_first) == text(plain) and "tau" in lookup_first
-    with pytest.raises(ValueError, match="eagle3\\+ngram drafts chains only"):
+    with pytest.raises(ValueError, match="eagle3\\+ngram: only eagle3 drafts trees"):
         generate.main(["--method", "eagle3+ngram", "--tree", "3,2,4", *common])
 
 
