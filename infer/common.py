@@ -102,12 +102,16 @@ def build_drafter(spec: MethodSpec, config: ModelConfig, params, draft_path: str
     from specjax.checkpoints.eagle3 import load_eagle3
     from specjax.drafters.eagle3 import Eagle3Drafter, default_draft_path
     from specjax.drafters.lookup_first import LookupFirstDrafter
+    from specjax.models import eagle3 as eagle3_model
 
     head_config, head_params, vocab = load_eagle3(
         draft_path or default_draft_path(), target_vocab_size=config.vocab_size, dtype=DTYPES[dtype]
     )
     depth, top_k, nodes = spec.tree or (spec.num_spec, 1, spec.num_spec)
-    head = Eagle3Drafter(head_config, head_params, vocab, config, params, depth=depth, top_k=top_k, tree_nodes=nodes)
+    head = Eagle3Drafter(
+        head_config, head_params, vocab, params["embed_tokens"], depth=depth, top_k=top_k, tree_nodes=nodes,
+        feature_layers=eagle3_model.feature_layers(config.num_layers),
+    )
     return LookupFirstDrafter(head) if spec.method == "eagle3+ngram" else head
 
 

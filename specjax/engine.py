@@ -121,7 +121,7 @@ class Engine:
             positions,
             cache,
             block_mask,
-            feature_layers=self.feature_layers,
+            taps=llama.Taps(layer_inputs=self.feature_layers),
             chunk_size=self.attention_chunk,
         )
 

@@ -36,6 +36,10 @@ class KVCache:
             lengths=jnp.zeros((batch_size,), jnp.int32),
         )
 
+    def reset_rows(self, rows: jax.Array) -> KVCache:
+        """Empty the rows where rows [B] is True (a slot taking a new sequence); nothing is cleared."""
+        return self.replace(lengths=jnp.where(rows, 0, self.lengths))
+
     @property
     def max_len(self) -> int:
         return self.k.shape[2]
@@ -84,6 +88,11 @@ def compact(cache: KVCache, path: jax.Array) -> KVCache:
 def commit(cache: KVCache, num_new: jax.Array) -> KVCache:
     """Advance each row's logical length by num_new [B]: the whole of accept and rollback."""
     return cache.replace(lengths=cache.lengths + num_new.astype(jnp.int32))
+
+
+def append(cache: KVCache, k_block: jax.Array, v_block: jax.Array, num_new: jax.Array) -> KVCache:
+    """Write a block at each row's offset and commit its first num_new[b] entries (a causal block)."""
+    return commit(write(cache, k_block, v_block), num_new)
 
 
 def attention_mask(lengths: jax.Array, block_mask: jax.Array, max_len: int) -> jax.Array:

@@ -44,6 +44,11 @@ def ancestor_mask(parents: jax.Array, max_depth: int) -> jax.Array:
     return mask
 
 
+def causal_mask(size: int) -> jax.Array:
+    """[T, T] bool lower-triangular mask: a chain's ancestor-or-self mask, shared by every row."""
+    return jnp.tril(jnp.ones((size, size), bool))
+
+
 def chain(batch_size: int, num_draft: int) -> Tree:
     """A chain of num_draft drafted tokens below the root."""
     parents = np.arange(-1, num_draft, dtype=np.int32)

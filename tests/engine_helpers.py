@@ -43,7 +43,10 @@ def eagle3_drafter(config: ModelConfig, params, *, seed: int = 7, depth: int = 4
     head_params = eagle3.init_params(head_config, jax.random.key(seed))
     ids = jnp.sort(jax.random.permutation(jax.random.key(seed + 1), config.vocab_size)[: config.vocab_size // 2])
     vocab = eagle3.DraftVocab.from_target_ids(ids, config.vocab_size)
-    return Eagle3Drafter(head_config, head_params, vocab, config, params, depth=depth, top_k=top_k, tree_nodes=nodes)
+    return Eagle3Drafter(
+        head_config, head_params, vocab, params["embed_tokens"], depth=depth, top_k=top_k, tree_nodes=nodes,
+        feature_layers=eagle3.feature_layers(config.num_layers),
+    )
 
 
 class OracleTreeDrafter(Drafter):

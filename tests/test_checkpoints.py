@@ -214,7 +214,7 @@ def test_smollm2_greedy_continuation_matches_transformers():
     config, params = load_model(path)
 
     cache = KVCache.init(config.num_layers, 1, 256, config.num_kv_heads, config.head_dim)
-    step = jax.jit(llama.forward, static_argnames=("config", "feature_layers", "chunk_size"))
+    step = jax.jit(llama.forward, static_argnames=("config", "taps", "chunk_size"))
     tokens = jnp.asarray([prompt], jnp.int32)
     num_prompt = len(prompt)
     out = step(params, config, tokens, jnp.arange(num_prompt)[None], cache, jnp.tril(jnp.ones((num_prompt,) * 2, bool)))

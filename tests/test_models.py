@@ -12,7 +12,7 @@ import transformers
 from specjax import kv_cache, tree
 from specjax.checkpoints import hf
 from specjax.kv_cache import KVCache
-from specjax.models import llama
+from specjax.models import eagle3, llama
 from specjax.models.config import ModelConfig
 
 TINY = dict(
@@ -44,6 +44,7 @@ FAMILIES = {
 CACHE_LEN = 64
 PREFILL_LEN = 16  # every prompt is right-padded to this, so each shape compiles once per family
 FEATURE_LAYERS = (2, 1, 0)  # any order; the configured (2, N//2, N-3) repeats layers for N = 3
+TAPS = llama.Taps(layer_inputs=FEATURE_LAYERS, final_hidden=True)
 
 
 def randomize_(model: torch.nn.Module, seed: int = 0) -> None:
@@ -92,9 +93,9 @@ FAST_COMPILE = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive
 def extend(params, config, tokens, positions, cache, block_mask, num_new, chunk_size=256):
     """Forward a block, write its entries at each row's offset and commit num_new [B] of them."""
     out = llama.forward(
-        params, config, tokens, positions, cache, block_mask, feature_layers=FEATURE_LAYERS, chunk_size=chunk_size
+        params, config, tokens, positions, cache, block_mask, taps=TAPS, chunk_size=chunk_size
     )
-    return out, kv_cache.commit(kv_cache.write(cache, out.k, out.v), num_new)
+    return out, kv_cache.append(cache, out.k, out.v, num_new)
 
 
 def prefill(params, config, tokens: np.ndarray, lengths: np.ndarray):
@@ -127,7 +128,8 @@ def test_prefill_logits_and_features_match_transformers(family):
         expected = model(torch.from_numpy(tokens).long(), output_hidden_states=True)
     out, _ = prefill(params, config, tokens, np.array([PREFILL_LEN]))
     np.testing.assert_allclose(out.logits, expected.logits.numpy(), atol=1e-4, rtol=0)
-    hidden = np.concatenate([expected.hidden_states[i].numpy() for i in FEATURE_LAYERS], axis=-1)
+    # The layer-input taps, then the final-normed hidden state (HF's last hidden_states entry).
+    hidden = np.concatenate([expected.hidden_states[i].numpy() for i in FEATURE_LAYERS + (-1,)], axis=-1)
     np.testing.assert_allclose(out.features, hidden, atol=1e-4, rtol=0)
     assert out.k.shape == (config.num_layers, 1, PREFILL_LEN, config.num_kv_heads, config.head_dim)
 
@@ -261,4 +263,4 @@ def test_config_from_hf_reads_families_and_rejects_unsupported():
         ModelConfig.from_hf(old)
     with pytest.raises(ValueError, match="gpt2"):
         ModelConfig.from_hf({**TINY, "model_type": "gpt2"})
-    assert ModelConfig.from_hf({**TINY, "model_type": "llama", "num_hidden_layers": 30}).feature_layers() == (2, 15, 27)
+    assert eagle3.feature_layers(30) == (2, 15, 27)

@@ -289,7 +289,10 @@ def test_engine_tau_evaluation_during_training(tmp_path):
     assert final["prompts"] == 4 and len(final["acceptance_by_position"]) == 3
     assert evaluate_tau.engine._decode_jit._cache_size() == 1  # new weights, same compilation
     # The same number from an engine built independently on the trained head.
-    drafter = Eagle3Drafter(DRAFT, state.params, setup.vocab, TARGET, setup.target_params, depth=3)
+    drafter = Eagle3Drafter(
+        DRAFT, state.params, setup.vocab, setup.target_params["embed_tokens"], depth=3,
+        feature_layers=eagle3.feature_layers(TARGET.num_layers),
+    )
     prompts = [list(map(int, t[:4])) for t in setup.eval_rows.tokens]
     stats = Engine(TARGET, setup.target_params, drafter, max_len=64).generate(prompts, max_new_tokens=12)
     assert final["tau"] == round(stats.tau, 4)

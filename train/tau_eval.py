@@ -51,7 +51,8 @@ class TauEvaluator:
         self.dtype = jax.tree.leaves(target_params)[0].dtype
         placeholder = eagle3.init_params(draft_config, jax.random.key(0))
         self.drafter = Eagle3Drafter(
-            draft_config, self._cast(placeholder), vocab, target_config, target_params, depth=num_spec
+            draft_config, self._cast(placeholder), vocab, target_params["embed_tokens"], depth=num_spec,
+            feature_layers=eagle3.feature_layers(target_config.num_layers),
         )
         max_len = -(-(max(map(len, prompts)) + max_new_tokens + self.drafter.num_nodes) // 64) * 64
         self.engine = Engine(target_config, target_params, self.drafter, max_len=max_len, attention_chunk=64)
@@ -62,7 +63,7 @@ class TauEvaluator:
         return jax.tree.map(lambda p: jnp.asarray(np.asarray(jax.device_get(p)), self.dtype), params)
 
     def __call__(self, head_params: eagle3.Params) -> dict[str, Any]:
-        drafter_params = {**self.drafter.params, "head": self._cast(head_params)}
+        drafter_params = self.drafter.params_with_head(self._cast(head_params))
         stats = self.engine.generate(self.prompts, max_new_tokens=self.max_new_tokens, drafter_params=drafter_params)
         return {
             "tau": round(stats.tau, 4),

@@ -106,7 +106,7 @@ def target_outputs(
         jnp.broadcast_to(jnp.arange(length), (batch, length)),
         None,
         jnp.tril(jnp.ones((length, length), bool)),
-        feature_layers=target_config.feature_layers(),
+        taps=llama.Taps(layer_inputs=eagle3.feature_layers(target_config.num_layers)),
     )
     return {
         "features": out.features,  # [B, T, 3H]

@@ -49,23 +49,26 @@ class Eagle3Drafter(Drafter):
         head_config: eagle3.Eagle3Config,
         head_params,
         vocab: eagle3.DraftVocab,
-        target_config: ModelConfig,
-        target_params,
+        embed_tokens: jax.Array,
         *,
         depth: int = 5,
         top_k: int = 1,
         tree_nodes: int | None = None,
+        feature_layers: tuple[int, ...],
         chunk_size: int = 256,
     ):
         tree_nodes = depth if tree_nodes is None else tree_nodes
         pool = top_k + (depth - 1) * top_k**2
         if min(depth, top_k, tree_nodes) < 1 or tree_nodes > pool:
             raise ValueError(f"tree needs depth, top_k, nodes >= 1 and nodes <= pool size {pool}; got {depth}, {top_k}, {tree_nodes}")
-        self.head_config, self.target_config = head_config, target_config
+        self.head_config = head_config
         self.depth, self.top_k, self.tree_nodes, self.chunk_size = depth, top_k, tree_nodes, chunk_size
-        self.feature_layers = target_config.feature_layers()
-        self.params = {"head": head_params, "d2t": vocab.d2t, "target": target_params}
-        self.check_target(target_config)
+        self.feature_layers = feature_layers
+        self.params = {"head": head_params, "d2t": vocab.d2t, "embed_tokens": embed_tokens}
+
+    def params_with_head(self, head_params: eagle3.Params):
+        """This drafter's params pytree with other head weights (e.g. a draft being trained)."""
+        return {**self.params, "head": head_params}
 
     @property
     def num_nodes(self) -> int:
@@ -99,7 +102,7 @@ class Eagle3Drafter(Drafter):
 
     def _head(self, params, cache, tokens, hidden, positions, block_mask):
         """One head forward over a block; tokens are target ids, hidden is h ([B, T, H])."""
-        embeddings = llama.embed(params["target"], tokens)
+        embeddings = params["embed_tokens"][tokens]  # [B, T, H]
         return eagle3.forward(
             params["head"], self.head_config, embeddings, hidden, positions, cache, block_mask, chunk_size=self.chunk_size
         )

@@ -53,10 +53,6 @@ class ModelConfig:
         """Query heads per KV head (G in [B, T, Hkv, G, D])."""
         return self.num_heads // self.num_kv_heads
 
-    def feature_layers(self) -> tuple[int, int, int]:
-        """EAGLE-3 feature layers: hidden states entering layers 2, N//2 and N-3 (low, mid, high)."""
-        return (2, self.num_layers // 2, self.num_layers - 3)
-
     @classmethod
     def from_hf(cls, hf: dict[str, Any]) -> ModelConfig:
         """Map a Hugging Face config.json (model_type llama, qwen2, qwen3 or mistral).

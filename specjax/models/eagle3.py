@@ -29,6 +29,11 @@ from specjax.models.llama import apply_rope, rms_norm, rope_frequencies
 Params = dict[str, jax.Array]
 
 
+def feature_layers(num_target_layers: int) -> tuple[int, int, int]:
+    """The target taps EAGLE-3 reads: hidden states entering layers 2, N//2 and N-3 (low, mid, high)."""
+    return (2, num_target_layers // 2, num_target_layers - 3)
+
+
 @dataclasses.dataclass(frozen=True)
 class Eagle3Config:
     hidden_size: int

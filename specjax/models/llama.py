@@ -16,6 +16,7 @@ decides what to `kv_cache.write` and `commit` (the decode-step contract in DESIG
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import jax
@@ -31,12 +32,29 @@ from specjax.models.config import ModelConfig
 Params = dict[str, Any]
 
 
+@dataclasses.dataclass(frozen=True)
+class Taps:
+    """Hidden states a drafter reads from the target's forward, concatenated in this order.
+
+    layer_inputs: the hidden states entering these layers (Hugging Face `hidden_states[i]`).
+    final_hidden: the last layer's output after the final norm (`last_hidden_state`).
+    Static under jit; no taps cost nothing.
+    """
+
+    layer_inputs: tuple[int, ...] = ()
+    final_hidden: bool = False
+
+    def width(self, hidden_size: int) -> int:
+        """F: the features' last dimension."""
+        return (len(self.layer_inputs) + self.final_hidden) * hidden_size
+
+
 @struct.dataclass
 class ForwardOutput:
     logits: jax.Array  # [B, T, V] float32
     k: jax.Array  # [L, B, T, Hkv, D] keys of the new block, RoPE applied
     v: jax.Array  # [L, B, T, Hkv, D] values of the new block
-    features: jax.Array | None  # [B, T, len(feature_layers) * H], or None
+    features: jax.Array | None  # [B, T, F] the requested taps (Taps.width), or None
 
 
 def param_shapes(config: ModelConfig) -> Params:
@@ -123,7 +141,11 @@ def embed(params: Params, tokens: jax.Array) -> jax.Array:
 
 def lm_head(params: Params, config: ModelConfig, hidden: jax.Array) -> jax.Array:
     """Final norm and output projection: pre-norm residual [B, T, H] -> float32 logits [B, T, V]."""
-    normed = rms_norm(hidden, params["norm"], config.rms_norm_eps)
+    return project_logits(params, config, rms_norm(hidden, params["norm"], config.rms_norm_eps))
+
+
+def project_logits(params: Params, config: ModelConfig, normed: jax.Array) -> jax.Array:
+    """Output projection alone: final-normed hidden [B, T, H] -> float32 logits [B, T, V]."""
     if config.tie_word_embeddings:
         return jnp.einsum("bth,vh->btv", normed, params["embed_tokens"], preferred_element_type=jnp.float32)
     return jnp.einsum("bth,hv->btv", normed, params["lm_head"], preferred_element_type=jnp.float32)
@@ -168,7 +190,7 @@ def forward(
     cache: KVCache | None,
     block_mask: jax.Array,
     *,
-    feature_layers: tuple[int, ...] = (),
+    taps: Taps = Taps(),
     chunk_size: int = 256,
 ) -> ForwardOutput:
     """Run T new tokens per row against the committed cache; the cache is not modified.
@@ -176,11 +198,11 @@ def forward(
     tokens, positions: [B, T] int32. block_mask: [B, T, T] or [T, T] bool.
     Query t of row b attends to cache slots s < cache.lengths[b] and to block entry u iff
     block_mask[..., t, u]. `cache=None` means an empty prefix (training, no-cache scoring).
-    feature_layers: layer indices whose *input* hidden states are returned, concatenated in
-    this order (Hugging Face `hidden_states[i]`). chunk_size: cache slots attended per step of
-    the prefix loop, clipped to the buffer, which it must divide.
-    Under jit, config, feature_layers and chunk_size are static.
+    taps: the hidden states returned as `features` (see Taps). chunk_size: cache slots attended
+    per step of the prefix loop, clipped to the buffer, which it must divide.
+    Under jit, config, taps and chunk_size are static.
     """
+    feature_layers = taps.layer_inputs
     for layer in feature_layers:
         if not 0 <= layer < config.num_layers:
             raise ValueError(f"feature layer {layer} out of range for {config.num_layers} layers")
@@ -212,4 +234,7 @@ def forward(
         order = [captured.index(layer) for layer in feature_layers]
         features = features[jnp.asarray(order)]  # [F, B, T, H]
         features = jnp.moveaxis(features, 0, 2).reshape(hidden.shape[:2] + (-1,))  # [B, T, F*H]
-    return ForwardOutput(logits=lm_head(params, config, hidden), k=k_new, v=v_new, features=features)
+    normed = rms_norm(hidden, params["norm"], config.rms_norm_eps)  # [B, T, H]
+    if taps.final_hidden:
+        features = normed if features is None else jnp.concatenate([features, normed], -1)
+    return ForwardOutput(logits=project_logits(params, config, normed), k=k_new, v=v_new, features=features)
