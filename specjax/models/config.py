@@ -6,6 +6,13 @@ import dataclasses
 from typing import Any
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
+SIZE_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads", "head_dim")
+# config.json keys without a default, each a positive integer.
+REQUIRED_HF_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
+
+
+def _positive_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value > 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,6 +50,10 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...] = ()
 
     def __post_init__(self):
+        for name in SIZE_FIELDS:
+            value = getattr(self, name)
+            if not _positive_int(value):
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
         if self.num_heads % self.num_kv_heads:
             raise ValueError(f"num_heads={self.num_heads} is not a multiple of num_kv_heads={self.num_kv_heads}")
         if self.head_dim % 2:
@@ -71,6 +82,12 @@ class ModelConfig:
             raise ValueError("unsupported mlp_bias=True")
         if model_type in ("llama", "qwen3") and hf.get("attention_bias"):
             raise ValueError(f"unsupported attention_bias=True for {model_type} (it adds an o_proj bias)")
+        missing = [key for key in REQUIRED_HF_KEYS if key not in hf]
+        if missing:
+            raise ValueError(f"missing key(s) {', '.join(missing)}")
+        for key in (*REQUIRED_HF_KEYS, "num_key_value_heads", "head_dim"):
+            if hf.get(key) is not None and not _positive_int(hf[key]):
+                raise ValueError(f"{key} must be a positive integer, got {hf[key]!r}")
 
         num_heads = hf["num_attention_heads"]
         rope_theta, rope_scaling = _rope(hf)
