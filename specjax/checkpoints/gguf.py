@@ -67,7 +67,8 @@ class _CheckedReader(GGUFReader):
 
     def _get_field_parts(self, orig_offs, raw_type):
         if raw_type == GGUFValueType.ARRAY:  # a corrupt length would loop over the file element by element
-            item_type, length = int(self._get(orig_offs, np.uint32)[0]), int(self._get(orig_offs + 4, np.uint64)[0])
+            item_type = int(self._get(orig_offs, np.uint32)[0])
+            length = int(self._get(orig_offs + 4, np.uint64)[0])
             scalar = self.gguf_scalar_to_np.get(GGUFValueType(item_type))
             smallest = np.dtype(scalar).itemsize if scalar is not None else 8  # strings, arrays: >= 8 bytes
             if length * smallest > len(self.data) - orig_offs - 12:
@@ -164,9 +165,11 @@ class _GGUFTensors(Mapping):
     def __getitem__(self, name: str) -> np.ndarray:
         tensor = self._tensors[name]
         try:
-            weight = dequantize(tensor.data, tensor.tensor_type)  # [out, in] (GGUF lists dims reversed)
+            with np.errstate(invalid="ignore", over="ignore"):  # corrupt scales: assemble_params names the tensor
+                weight = dequantize(tensor.data, tensor.tensor_type)  # [out, in] (GGUF lists dims reversed)
         except (NotImplementedError, ValueError) as exc:
-            raise ValueError(f"{self._path}: tensor {name}: cannot dequantize type {tensor.tensor_type.name} ({exc})") from exc
+            type_name = tensor.tensor_type.name
+            raise ValueError(f"{self._path}: tensor {name}: cannot dequantize type {type_name} ({exc})") from exc
         kind = name.split(".")[-2]
         if kind in self._heads and weight.ndim == 2 and weight.shape[0] % (2 * self._heads[kind]) == 0:
             weight = unpermute(weight, self._heads[kind])  # (other shapes fail validation, by name)

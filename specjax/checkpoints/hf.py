@@ -96,8 +96,9 @@ def assemble_params(
     """Build params from torch-layout tensors (linear weights [out, in]) named by `names`.
 
     Every expected tensor must be present with its exact shape and finite values (checked before
-    the cast to `dtype`, and after it when the cast overflows), and every tensor in `tensors` must
-    be used (or listed in `ignored`); otherwise ValueError naming the tensor. `source` names the
+    the cast to `dtype`, and after it when `dtype` has a smaller exponent range), and every
+    tensor in `tensors` must be used (or listed in `ignored`); otherwise ValueError naming the
+    tensor. `source` names the
     checkpoint in those errors: a path, or a function of the tensor name (the shard holding it).
     """
     where = source if callable(source) else (lambda _name: source)
@@ -124,9 +125,11 @@ def assemble_params(
                 f"{where(name)}: tensor {name} holds a non-finite value ({value} at index "
                 f"{tuple(int(i) for i in np.unravel_index(bad, array.shape))}): the file is corrupt"
             )
-        cast = array.astype(np_dtype)
-        narrower = _float_info(array.dtype) is not None and _float_info(np_dtype).max < _float_info(array.dtype).max
-        if narrower and first_nonfinite(cast) is not None:
+        with np.errstate(over="ignore"):  # an overflow is reported below, by name
+            cast = array.astype(np_dtype)
+        source_info, target_info = _float_info(array.dtype), _float_info(np_dtype)
+        narrower = source_info is not None and target_info is not None and target_info.maxexp < source_info.maxexp
+        if narrower and first_nonfinite(cast) is not None:  # e.g. float32 -> float16 (bfloat16 keeps the range)
             raise ValueError(f"{where(name)}: tensor {name} overflows {np_dtype.name}; load it in a wider dtype")
         return cast.T if key in LINEAR_KEYS else cast
 
