@@ -1,6 +1,6 @@
 """python -m infer.bench: decoding methods side by side, in one process, warm.
 
-    python -m infer.bench --methods ar,ngram:5,eagle3:5,eagle3:4,4,16 --batch-sizes 1,4 --prompts code
+    python -m infer.bench --methods ar,ngram:5,eagle3:5,eagle3:4,4,16 --batch-size 1,4 --prompts code
 
 For every method and batch size: tau (tokens per verifier call, bonus included), acceptance by
 draft position, decode tokens/s, speedup over autoregressive decoding at the same batch size,
@@ -20,29 +20,27 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
+from infer import common
 from infer import prompts as prompt_sets
-from infer.common import MethodSpec, add_model_args, build_drafter, load_target
 from specjax import theory
+from specjax.drafters.registry import MethodSpec
 from specjax.engine import Engine
-from specjax.sampling import SamplingParams
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m infer.bench", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_model_args(parser)
+    parser = common.parser("python -m infer.bench", __doc__)
+    common.add_model_args(parser)
     parser.add_argument("--methods", default="ar,ngram:5,eagle3:5", help="methods to compare, e.g. ar,ngram:5,eagle3:5,eagle3:4,4,16 (ar is always included)")
-    parser.add_argument("--batch-sizes", default="1,4")
+    parser.add_argument("--batch-size", type=common.positive_ints, default=[1, 4], help="batch sizes, e.g. 1,4")
     parser.add_argument("--prompts", default="code", help="built-in set (chat, code) or a jsonl file")
-    parser.add_argument("--num-prompts", type=int, default=4, help="prompts per batch-size run (cycled to fill batches)")
-    parser.add_argument("--max-new-tokens", type=int, default=96)
-    parser.add_argument("--temperature", type=float, default=0.0)
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--num-prompts", type=common.POSITIVE_INT, default=4, help="prompts per batch-size run (cycled to fill batches)")
+    common.add_sampling_args(parser)
+    parser.add_argument("--repeats", type=common.POSITIVE_INT, default=3)
     parser.add_argument("--out", default="bench.json", help="JSON results")
     parser.add_argument("--plots", default=None, help="directory for PNG plots (speedup, acceptance)")
     args = parser.parse_args(argv)
     args.method_specs = split_methods(args.methods)
-    args.batch_size_list = [int(b) for b in args.batch_sizes.split(",")]
+    common.check_draft_flag(args, args.method_specs)
     return args
 
 
@@ -60,18 +58,18 @@ def split_methods(text: str) -> list[MethodSpec]:
     return specs
 
 
-def timed_pass(engine: Engine, batches: list[list[list[int]]], sampling, max_new_tokens: int):
+def timed_pass(engine: Engine, batches: list[list[list[int]]], sampling, max_new_tokens: int, seed: int = 0):
     """One pass over every batch: (decode seconds, decoded tokens, accepted-length histogram)."""
     seconds, tokens, hist = 0.0, 0, 0
     for batch in batches:
-        stats = engine.generate(batch, sampling, max_new_tokens=max_new_tokens)
+        stats = engine.generate(batch, sampling, max_new_tokens=max_new_tokens, seed=seed)
         seconds += stats.decode_s
-        tokens += stats.num_generated - len(batch)  # the first token comes from prefill
+        tokens += stats.num_generated
         hist = hist + stats.accepted_hist.sum(0)
     return seconds, tokens, hist
 
 
-def interleaved_passes(engines: dict[MethodSpec, Engine], batches, sampling, max_new_tokens: int, repeats: int) -> dict:
+def interleaved_passes(engines: dict[MethodSpec, Engine], batches, sampling, max_new_tokens: int, repeats: int, seed: int = 0) -> dict:
     """Compile every engine, then `repeats` rounds of one timed pass each: {spec: [timed_pass, ...]}.
 
     Interleaving (ar, m1, m2, ar, m1, m2, ...) makes a drifting machine load hit every method alike.
@@ -81,15 +79,14 @@ def interleaved_passes(engines: dict[MethodSpec, Engine], batches, sampling, max
     passes: dict[MethodSpec, list] = {spec: [] for spec in engines}
     for _ in range(repeats):
         for spec, engine in engines.items():
-            passes[spec].append(timed_pass(engine, batches, sampling, max_new_tokens))
+            passes[spec].append(timed_pass(engine, batches, sampling, max_new_tokens, seed))
     return passes
 
 
 def bench_batch_size(engines: dict[MethodSpec, Engine], batches, args) -> list[dict]:
     """All methods at one batch size: warm-up, --repeats interleaved passes (medians), step profiles."""
-    batch_size = len(batches[0])
-    sampling = SamplingParams.make(batch_size, args.temperature)
-    passes = interleaved_passes(engines, batches, sampling, args.max_new_tokens, args.repeats)
+    sampling = common.sampling_params(args, len(batches[0]))
+    passes = interleaved_passes(engines, batches, sampling, args.max_new_tokens, args.repeats, args.seed)
     results = []
     for spec, engine in engines.items():
         seconds = float(np.median([p[0] for p in passes[spec]]))
@@ -170,23 +167,24 @@ def plot(results: list[dict], directory: str) -> list[Path]:
 
 def main(argv: list[str] | None = None) -> list[dict]:
     args = parse_args(argv)
-    config, params, tokenizer = load_target(args)
+    common.sampling_params(args, 1)  # checked before loading
     texts = prompt_sets.load(args.prompts)[: args.num_prompts]
+    config, params, tokenizer = common.load_target(args)
     token_ids = [tokenizer.encode(tokenizer.chat_prompt(text)) for text in texts]
     engines = {
-        spec: Engine(config, params, build_drafter(spec, config, params, args.draft, args.dtype),
+        spec: Engine(config, params, common.build_drafter(spec, args, config, params),
                      max_len=args.max_len, eos_ids=tokenizer.eos_token_ids)
         for spec in args.method_specs
     }
     results = []
-    for batch_size in tqdm(args.batch_size_list, desc="bench", unit="batch size"):
+    for batch_size in tqdm(args.batch_size, desc="bench", unit="batch size"):
         cycled = [token_ids[i % len(token_ids)] for i in range(max(batch_size, len(token_ids)))]
         batches = [cycled[i : i + batch_size] for i in range(0, len(cycled) - batch_size + 1, batch_size)]
         results += bench_batch_size(engines, batches, args)
     results.sort(key=lambda r: (args.method_specs.index(MethodSpec.parse(r["method"])), r["batch_size"]))
     summarise(results)
     print(table(results))
-    meta = {k: v for k, v in vars(args).items() if k not in ("method_specs", "batch_size_list")}
+    meta = {k: v for k, v in vars(args).items() if k != "method_specs"}
     Path(args.out).write_text(json.dumps({"args": meta, "results": results}, indent=2) + "\n")
     print(f"wrote {args.out}")
     if args.plots:

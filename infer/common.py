@@ -1,118 +1,129 @@
-"""Options and loading shared by the infer/ command lines."""
+"""Flags, validation and loading shared by the infer/ command lines.
+
+Every command line takes the same model and sampling flags with the same defaults; methods come
+from `specjax.drafters.registry`. Numeric flags are range-checked while parsing, and a flag that
+does not apply to the chosen method is an error, all before any weights are loaded.
+"""
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
+import math
 
 import jax.numpy as jnp
 import numpy as np
 
 from specjax import checkpoints
-from specjax.drafters.base import Drafter
+from specjax import tokenizer as tokenizer_lib
+from specjax.drafters.base import BuildContext, Drafter
+from specjax.drafters.registry import METHODS, MethodSpec, parse_tree
 from specjax.engine import Stats
 from specjax.models.config import ModelConfig
-from specjax import tokenizer as tokenizer_lib
+from specjax.sampling import SamplingParams
 from specjax.tokenizer import Tokenizer
 
-METHODS = ("ar", "ngram", "draft", "eagle3", "eagle3+ngram")  # eagle3+ngram: lookup-first, EAGLE-3 chain elsewhere
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+MAX_SEED = 2**32 - 1  # JAX keys hold 32 bits: larger seeds would alias smaller ones
 
 
-def parse_tree(text: str) -> tuple[int, int, int]:
-    """'D,K,T' -> (depth, top_k, nodes)."""
-    try:
-        depth, top_k, nodes = (int(part) for part in text.split(","))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"--tree takes DEPTH,TOPK,NODES (e.g. 5,8,32), got {text!r}") from None
-    if min(depth, top_k, nodes) < 1 or nodes > top_k + (depth - 1) * top_k**2:
-        raise argparse.ArgumentTypeError(
-            f"--tree {text}: need positive values and NODES <= TOPK + (DEPTH-1)*TOPK^2 (the candidate pool)"
-        )
-    return depth, top_k, nodes
+def _ranged(kind, low=None, high=None, low_open=False, what=""):
+    """An argparse type: `kind` parsed, finite, within [low, high] (low excluded if low_open)."""
+
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {what or kind.__name__}, got {text!r}") from None
+        too_low = low is not None and (value <= low if low_open else value < low)
+        if not math.isfinite(value) or too_low or (high is not None and value > high):
+            raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}")
+        return value
+
+    return parse
+
+
+POSITIVE_INT = _ranged(int, 1, what="an integer >= 1")
+NON_NEGATIVE_INT = _ranged(int, 0, what="an integer >= 0")
+NON_NEGATIVE = _ranged(float, 0.0, what="a number >= 0")
+SEED = _ranged(int, 0, MAX_SEED, what=f"a seed in [0, {MAX_SEED}]")
+
+
+def positive_ints(text: str) -> list[int]:
+    """'1,4' -> [1, 4], every entry >= 1."""
+    return [POSITIVE_INT(part) for part in text.split(",")]
+
+
+def parser(prog: str, doc: str) -> argparse.ArgumentParser:
+    """A parser that takes no abbreviations (`--method` must not pass for `--methods`)."""
+    return argparse.ArgumentParser(
+        prog=prog, description=doc, formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False
+    )
 
 
 def add_model_args(parser: argparse.ArgumentParser) -> None:
     model = parser.add_argument_group("model")
     model.add_argument("--model", default=None, help="HF directory or .gguf file (default: embedded SmolLM2-135M-Instruct)")
     model.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
-    model.add_argument("--max-len", type=int, default=1024, help="KV cache slots per row")
+    model.add_argument("--max-len", type=POSITIVE_INT, default=1024, help="KV cache slots per row")
+    model.add_argument("--draft", default=None, help="what the method drafts with: a draft model (HF dir / .gguf) "
+                       "or an EAGLE-3 draft directory (default: the shipped one)")
+
+
+def add_method_args(parser: argparse.ArgumentParser) -> None:
+    """One method: --method and its knobs (each an error where the method has no such knob)."""
     spec = parser.add_argument_group("speculation")
-    spec.add_argument("--method", choices=METHODS, default="ar")
-    spec.add_argument("--num-spec", type=int, default=5, help="drafted tokens per step (chain)")
-    spec.add_argument("--tree", type=parse_tree, default=None, help="EAGLE-2 dynamic tree DEPTH,TOPK,NODES (eagle3)")
-    spec.add_argument("--draft", default=None, help="draft model (HF dir / .gguf) or EAGLE-3 draft directory")
+    choices = "; ".join(f"{m.name}: {m.help}" for m in METHODS.values())
+    spec.add_argument("--method", choices=list(METHODS), default="ar", help=choices)
+    spec.add_argument("--num-spec", type=POSITIVE_INT, default=None, help="drafted tokens per step (default: the method's)")
+    spec.add_argument("--tree", type=_tree_arg, default=None, help="an EAGLE-2 dynamic tree DEPTH,TOPK,NODES (eagle3)")
+    spec.add_argument("--min-ngram", type=POSITIVE_INT, default=None, help="shortest suffix match for prompt lookup")
+
+
+def _tree_arg(text: str) -> tuple[int, int, int]:
+    try:
+        return parse_tree(text)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+
+
+def add_sampling_args(parser: argparse.ArgumentParser) -> None:
+    gen = parser.add_argument_group("sampling")
+    gen.add_argument("--max-new-tokens", type=POSITIVE_INT, default=128)
+    gen.add_argument("--temperature", type=NON_NEGATIVE, default=0.0, help="0 = greedy")
+    gen.add_argument("--top-k", type=NON_NEGATIVE_INT, default=0, help="0 disables")
+    gen.add_argument("--top-p", type=_ranged(float, 0.0, 1.0, low_open=True, what="a number in (0, 1]"), default=1.0)
+    gen.add_argument("--min-p", type=_ranged(float, 0.0, 1.0, what="a number in [0, 1)"), default=0.0)
+    gen.add_argument("--seed", type=SEED, default=0)
+
+
+def method_spec(args: argparse.Namespace) -> MethodSpec:
+    """The spec of --method and its knobs; a knob or --draft the method does not take is an error."""
+    spec = MethodSpec(args.method, args.num_spec, args.tree, args.min_ngram)
+    check_draft_flag(args, [spec])
+    return spec
+
+
+def check_draft_flag(args: argparse.Namespace, specs: list[MethodSpec]) -> None:
+    if args.draft is not None and not any(spec.info.draft for spec in specs):
+        raise ValueError(f"--draft is not used by {', '.join(s.label for s in specs)}")
+
+
+def sampling_params(args: argparse.Namespace, batch_size: int) -> SamplingParams:
+    return SamplingParams.make(batch_size, args.temperature, args.top_k, args.top_p, args.min_p)
 
 
 def load_target(args: argparse.Namespace) -> tuple[ModelConfig, dict, Tokenizer]:
     path = args.model or checkpoints.default_model_path()
     config, params = checkpoints.load_model(path, DTYPES[args.dtype])
+    if args.max_len > config.max_position_embeddings:
+        raise ValueError(f"--max-len {args.max_len} exceeds the model's {config.max_position_embeddings} positions")
     return config, params, tokenizer_lib.load(path)
 
 
-@dataclasses.dataclass(frozen=True)
-class MethodSpec:
-    """A decoding method and its parameters: 'ar', 'ngram:5', 'draft:4', 'eagle3:5', 'eagle3:5,8,32'."""
-
-    method: str
-    num_spec: int = 5
-    tree: tuple[int, int, int] | None = None
-
-    def __post_init__(self):
-        if self.tree and self.method != "eagle3":
-            raise ValueError(f"{self.method}: only eagle3 drafts trees (DEPTH,TOPK,NODES); use a chain of N tokens")
-
-    @classmethod
-    def parse(cls, text: str) -> MethodSpec:
-        method, _, params = text.partition(":")
-        if method not in METHODS:
-            raise ValueError(f"unknown method {method!r} in {text!r}; choose from {', '.join(METHODS)}")
-        if not params:
-            return cls(method)
-        if params.count(",") == 2:
-            return cls(method, tree=parse_tree(params))
-        if not params.isdigit() or int(params) < 1:
-            raise ValueError(f"{text!r}: expected METHOD:N with N >= 1 drafted tokens, or eagle3:DEPTH,TOPK,NODES")
-        return cls(method, num_spec=int(params))
-
-    @property
-    def label(self) -> str:
-        if self.method == "ar":
-            return "ar"
-        if self.tree:
-            return f"{self.method}:" + ",".join(map(str, self.tree))
-        return f"{self.method}:{self.num_spec}"
-
-
-def build_drafter(spec: MethodSpec, config: ModelConfig, params, draft_path: str | None, dtype: str) -> Drafter | None:
-    """The drafter for a method spec, with its parameters."""
-    if spec.method == "ar":
-        return None
-    if spec.method == "ngram":
-        from specjax.drafters.ngram import NgramDrafter
-
-        return NgramDrafter(num_draft=spec.num_spec)
-    if spec.method == "draft":
-        from specjax.drafters.draft_model import DraftModelDrafter
-
-        if draft_path is None:
-            raise ValueError("--method draft needs --draft PATH (a small model sharing the target's tokenizer)")
-        draft_config, draft_params = checkpoints.load_model(draft_path, DTYPES[dtype])
-        return DraftModelDrafter(draft_config, draft_params, num_draft=spec.num_spec)
-    from specjax.checkpoints.eagle3 import load_eagle3
-    from specjax.drafters.eagle3 import Eagle3Drafter, default_draft_path
-    from specjax.drafters.lookup_first import LookupFirstDrafter
-    from specjax.models import eagle3 as eagle3_model
-
-    head_config, head_params, vocab = load_eagle3(
-        draft_path or default_draft_path(), target_vocab_size=config.vocab_size, dtype=DTYPES[dtype]
-    )
-    depth, top_k, nodes = spec.tree or (spec.num_spec, 1, spec.num_spec)
-    head = Eagle3Drafter(
-        head_config, head_params, vocab, params["embed_tokens"], depth=depth, top_k=top_k, tree_nodes=nodes,
-        feature_layers=eagle3_model.feature_layers(config.num_layers),
-    )
-    return LookupFirstDrafter(head) if spec.method == "eagle3+ngram" else head
+def build_drafter(spec: MethodSpec, args: argparse.Namespace, config: ModelConfig, params) -> Drafter:
+    """The spec's drafter; --draft goes to the methods that draft with one."""
+    draft = args.draft if spec.info.draft else None
+    return spec.info.build(spec, BuildContext(config, params, draft, DTYPES[args.dtype]))
 
 
 def method_summary(label: str, stats: Stats, compile_s: float) -> str:

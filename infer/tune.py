@@ -22,23 +22,15 @@ from pathlib import Path
 
 import numpy as np
 
-from infer.common import MethodSpec, add_model_args, build_drafter, load_target
+from infer import common
 from specjax import theory
+from specjax.drafters.registry import METHODS, MethodSpec
+from specjax.tree import pool_size
 
 TASKS = ("chat", "code", "structured", "long-form", "creative")
-# Prior acceptance rate per drafted position at temperature 0 (per method, per task); stated
-# guesses from published EAGLE-3 / prompt-lookup results, replaced by --bench or --measure.
-PRIOR_ALPHA = {
-    "ngram": {"chat": 0.25, "code": 0.6, "structured": 0.55, "long-form": 0.2, "creative": 0.1},
-    "eagle3": {"chat": 0.7, "code": 0.75, "structured": 0.75, "long-form": 0.65, "creative": 0.55},
-    "draft": {"chat": 0.6, "code": 0.65, "structured": 0.65, "long-form": 0.55, "creative": 0.45},
-    # Lookup-first EAGLE-3: the EAGLE-3 prior, plus part of what lookup adds where text repeats.
-    "eagle3+ngram": {"chat": 0.71, "code": 0.82, "structured": 0.8, "long-form": 0.66, "creative": 0.55},
-}
-# Acceptance decays with temperature: alpha(T) = alpha(0) * exp(-decay * T) (prior).
-TEMPERATURE_DECAY = {"ngram": 0.9, "eagle3": 0.35, "draft": 0.3, "eagle3+ngram": 0.45}
-# Draft cost per drafted position, in decode steps (prior): n-gram is free.
-PRIOR_DRAFT_COST = {"ngram": 0.0, "eagle3": 0.05, "draft": 0.25, "eagle3+ngram": 0.05}
+# Each method's priors (acceptance per task, its decay with temperature, draft cost) are stated
+# guesses from published EAGLE-3 / prompt-lookup results, declared with the method
+# (`Method.priors`) and replaced by --bench or --measure.
 # Verifying k tokens at batch B costs 1 + VERIFY_SLOPE * (k - 1) * B decode steps (prior; CPU-like).
 VERIFY_SLOPE = 0.13
 
@@ -89,25 +81,23 @@ def chain_tau(alpha: float, n: int, curve: list[float] | None) -> float:
 def candidates(args, measured: dict) -> list[Candidate]:
     """Every configuration in the search space with its predicted speedup."""
     out = [Candidate(MethodSpec("ar"), 1.0, 1.0, "plain decoding: one token per target step")]
-    methods = ["ngram"] + (["eagle3", "eagle3+ngram"] if args.eagle3_available else [])
-    methods += ["draft"] if args.draft_available else []
-    for method in methods:
-        alpha0 = PRIOR_ALPHA[method][args.task]
-        alpha = alpha0 * np.exp(-TEMPERATURE_DECAY[method] * args.temperature)
+    for method in args.method_names:
+        priors = METHODS[method].priors
+        alpha = priors.alpha[args.task] * np.exp(-priors.temperature_decay * args.temperature)
         info = measured.get(method, {})
         if "alpha" in info:
             alpha = info["alpha"]
-        c = info.get("c", PRIOR_DRAFT_COST[method])
+        c = info.get("c", priors.draft_cost)
         source = "measured" if info else "prior"
         for n in range(1, 9):
             tau = chain_tau(alpha, n, info.get("curve"))
             cost = verify_ratio(n + 1, args.batch_size, measured.get("verify")) + n * c
             why = f"alpha={alpha:.2f} ({source}), tau={tau:.2f}, cost={cost:.2f} decode steps (verify {n + 1} tokens + {n} drafts at c={c:.2f})"
             out.append(Candidate(MethodSpec(method, num_spec=n), tau, cost, why))
-        if method != "eagle3":
+        if not METHODS[method].trees:
             continue
         for depth, top_k, nodes in itertools.product((3, 4, 5, 6), (2, 4, 8), (8, 16, 32, 64)):
-            if nodes > top_k + (depth - 1) * top_k**2 or nodes < depth:
+            if nodes > pool_size(depth, top_k) or nodes < depth:
                 continue
             tau = tree_tau(alpha, depth, top_k, nodes)
             cost = verify_ratio(nodes + 1, args.batch_size, measured.get("verify")) + depth * c * (1 + 0.1 * top_k)
@@ -150,23 +140,22 @@ def measure(args, ranked: list[Candidate]) -> list[tuple[MethodSpec, float]]:
     from infer import prompts as prompt_sets
     from infer.bench import interleaved_passes
     from specjax.engine import Engine
-    from specjax.sampling import SamplingParams
 
-    config, params, tokenizer = load_target(args)
+    config, params, tokenizer = common.load_target(args)
     prompt_set = "code" if args.task in ("code", "structured") else "chat"
-    texts = prompt_sets.load(prompt_set)[: args.measure_prompts]
+    texts = prompt_sets.load(prompt_set)[: args.num_prompts]
     cycled = [texts[i % len(texts)] for i in range(max(args.batch_size, len(texts)))]
     token_ids = [tokenizer.encode(tokenizer.chat_prompt(t)) for t in cycled]
     batches = [token_ids[i : i + args.batch_size] for i in range(0, len(token_ids) - args.batch_size + 1, args.batch_size)]
-    default = MethodSpec("eagle3") if args.eagle3_available else MethodSpec("ngram")
-    specs = list(dict.fromkeys([MethodSpec("ar"), default] + [c.spec for c in ranked[: args.measure_top]]))
+    defaults = [MethodSpec(name) for name in args.method_names[:1]]  # the first method at its defaults
+    specs = list(dict.fromkeys([MethodSpec("ar")] + defaults + [c.spec for c in ranked[: args.measure_top]]))
     engines = {
-        spec: Engine(config, params, build_drafter(spec, config, params, args.draft, args.dtype),
+        spec: Engine(config, params, common.build_drafter(spec, args, config, params),
                      max_len=args.max_len, eos_ids=tokenizer.eos_token_ids)
         for spec in specs
     }
-    sampling = SamplingParams.make(args.batch_size, args.temperature)
-    passes = interleaved_passes(engines, batches, sampling, args.max_new_tokens, args.repeats)
+    sampling = common.sampling_params(args, args.batch_size)
+    passes = interleaved_passes(engines, batches, sampling, args.max_new_tokens, args.repeats, args.seed)
     results = []
     for spec, runs in passes.items():
         results.append((spec, float(np.median([tokens / seconds for seconds, tokens, _ in runs]))))
@@ -212,44 +201,42 @@ def render(args, ranked: list[Candidate], switch: float | None, measured_runs) -
 
 
 def cli_flags(spec: MethodSpec) -> str:
-    if spec.method == "ar":
-        return "--method ar"
+    flags = f"--method {spec.method}"
     if spec.tree:
-        return f"--method {spec.method} --tree {','.join(map(str, spec.tree))}"
-    return f"--method {spec.method} --num-spec {spec.num_spec}"
+        return flags + f" --tree {','.join(map(str, spec.tree))}"
+    return flags if spec.num_spec is None else flags + f" --num-spec {spec.num_spec}"
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m infer.tune", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_model_args(parser)
+    parser = common.parser("python -m infer.tune", __doc__)
+    common.add_model_args(parser)
+    tunable = [m.name for m in METHODS.values() if m.priors]
+    parser.add_argument("--methods", default="eagle3,eagle3+ngram,ngram", help=f"methods to consider, from {', '.join(tunable)}")
     parser.add_argument("--task", choices=TASKS, default="chat")
-    parser.add_argument("--batch-size", type=int, default=1)
-    parser.add_argument("--temperature", type=float, default=0.0)
-    parser.add_argument("--latency-target", type=float, default=None, help="ms per token")
-    parser.add_argument("--t-decode-ms", type=float, default=None, help="one decode step of the target, if known (bench JSON fills it)")
+    parser.add_argument("--batch-size", type=common.POSITIVE_INT, default=1)
+    parser.add_argument("--latency-target", type=common.NON_NEGATIVE, default=None, help="ms per token")
+    parser.add_argument("--t-decode-ms", type=common.NON_NEGATIVE, default=None, help="one decode step of the target, if known (bench JSON fills it)")
     parser.add_argument("--bench", default=None, help="bench JSON with measured acceptance and costs")
     parser.add_argument("--measure", action="store_true", help="run the best predicted configurations and pick empirically")
-    parser.add_argument("--measure-top", type=int, default=3)
-    parser.add_argument("--measure-prompts", type=int, default=4, help="prompts of the task's built-in set, cycled into batches")
-    parser.add_argument("--max-new-tokens", type=int, default=48)
-    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--measure-top", type=common.POSITIVE_INT, default=3)
+    parser.add_argument("--num-prompts", type=common.POSITIVE_INT, default=4, help="--measure: prompts of the task's built-in set, cycled into batches")
+    common.add_sampling_args(parser)
+    parser.add_argument("--repeats", type=common.POSITIVE_INT, default=2)
     parser.add_argument("--markdown", default=None, help="also write the recommendation to this Markdown file")
     args = parser.parse_args(argv)
-    if args.batch_size < 1 or args.temperature < 0:
-        parser.error("--batch-size must be >= 1 and --temperature >= 0")
+    args.method_names = [name for name in args.methods.split(",") if name]
+    for name in args.method_names:
+        if name not in tunable:
+            raise ValueError(f"--methods: {name!r} is not a method tune can rank; choose from {', '.join(tunable)}")
+    if "draft" in args.method_names and args.draft is None:
+        raise ValueError("--methods draft needs --draft PATH (a small model sharing the target's tokenizer)")
+    common.check_draft_flag(args, [MethodSpec(name) for name in args.method_names])
+    common.sampling_params(args, args.batch_size)
     return args
 
 
 def main(argv: list[str] | None = None) -> str:
     args = parse_args(argv)
-    args.draft_available = args.method == "draft" and args.draft is not None
-    try:
-        from specjax.drafters.eagle3 import default_draft_path
-
-        args.eagle3_available = args.draft is not None or default_draft_path() is not None
-    except ValueError:
-        args.eagle3_available = False
     measured = measured_from_bench(args.bench) if args.bench else {}
     if args.bench and args.t_decode_ms is None:
         rows = json.loads(Path(args.bench).read_text())["results"]

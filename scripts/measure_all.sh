@@ -9,9 +9,9 @@ mkdir -p results
 start=$SECONDS
 python -m infer.bench --out results/bench_default.json --plots results/default | tee results/bench_default.txt
 echo "bench default: $((SECONDS - start)) s wall, model loading and compilation included" | tee -a results/bench_default.txt
-python -m infer.bench --methods ar,eagle3:3,eagle3:4,eagle3:4,2,8,eagle3+ngram:3,eagle3+ngram:4 --batch-sizes 1,4 --prompts code \
+python -m infer.bench --methods ar,eagle3:3,eagle3:4,eagle3:4,2,8,eagle3+ngram:3,eagle3+ngram:4 --batch-size 1,4 --prompts code \
     --out results/bench_code_more.json --plots results/code_more | tee results/bench_code_more.txt
-python -m infer.bench --methods ar,ngram:5,eagle3:3,eagle3:5,eagle3:4,2,8,eagle3+ngram:3 --batch-sizes 1,4 --prompts chat \
+python -m infer.bench --methods ar,ngram:5,eagle3:3,eagle3:5,eagle3:4,2,8,eagle3+ngram:3 --batch-size 1,4 --prompts chat \
     --out results/bench_chat.json --plots results/chat | tee results/bench_chat.txt
 start=$SECONDS
 python -m infer.tune --task code --measure --markdown results/tune_code.md | tee results/tune_code.txt

@@ -1,21 +1,24 @@
 """Prefill and the jitted decode loop: draft -> verify -> commit, for any drafter.
 
-The contract (DESIGN.md, "The decode step"): per row b the target cache holds the committed
-tokens 0 .. lengths[b]-1 and one pending token (the last sampled one) sits outside it. Each step
-the drafter proposes a tree below the pending token, the target runs once over the tree, the
-verifier picks the accepted path and the next pending token, and the commit is a per-row length
+The contract (docs/architecture.md, "The decode step"): per row b the target cache holds the
+committed tokens 0 .. lengths[b]-1 and one pending token sits outside it. The prefill commits
+every prompt token but the last, which is the first pending token. Each step the drafter
+proposes a tree below the pending token, the target runs once over the tree, the proposal's
+rule picks the accepted path and the next pending token, and the commit is a per-row length
 update (plus a gather of the accepted path for trees). Rows never wait for each other.
 
-Compilation: one prefill-chunk function and one decode loop per (batch size, cache length,
-method). Prompts are fed in fixed-size chunks and the loop's step limit is a traced value, so
-new prompts, lengths or streaming never recompile.
+The state and its transitions are public: `init_state`, `admit` (reset rows of a running batch
+and prefill new prompts into them) and `decode` (up to k steps on device); `generate` is the host
+driver for a fixed batch. Compilation: one prefill-chunk function and one decode loop per
+(batch size, cache length, method); prompts are fed in fixed-size chunks and the loop's step
+limit is a traced value, so new prompts, lengths, slots or streaming never recompile.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import time
-from typing import Callable
+from typing import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -26,7 +29,8 @@ from specjax import kv_cache as kv
 from specjax import sampling as sampling_lib
 from specjax import tree as tree_lib
 from specjax import verify
-from specjax.drafters.base import Drafter, PrefillChunk, Proposal, StepContext
+from specjax.drafters.autoregressive import Autoregressive
+from specjax.drafters.base import Commit, Drafter, PrefillChunk, Proposal, StepContext
 from specjax.models import llama
 from specjax.models.config import ModelConfig
 
@@ -36,9 +40,10 @@ class DecodeState:
     cache: kv.KVCache
     history: jax.Array  # [B, S] prompt + generated tokens; history[b, lengths[b]] is the pending token
     pending: jax.Array  # [B] last sampled token, not yet in the cache
-    num_generated: jax.Array  # [B] tokens emitted after the prompt (the pending one included)
-    active: jax.Array  # [B] bool
-    last_logits: jax.Array  # [B, V] target logits at the last prompt token (prefill only)
+    prompt_lengths: jax.Array  # [B] the row's prompt tokens (its output starts at this position)
+    num_generated: jax.Array  # [B] tokens emitted after the prompt
+    max_new: jax.Array  # [B] the row's limit of new tokens
+    active: jax.Array  # [B] bool, rows still generating
     drafter_state: object
     key: jax.Array
     step: jax.Array  # [] decode steps taken
@@ -81,7 +86,7 @@ class Stats:
 
 
 class Engine:
-    """Batch generation for one target model and one drafter (None: plain autoregressive)."""
+    """Generation for one target model and one drafter (default: plain autoregressive)."""
 
     def __init__(
         self,
@@ -94,164 +99,195 @@ class Engine:
         attention_chunk: int = 256,
         eos_ids: tuple[int, ...] | None = None,
     ):
-        if drafter is not None:
-            drafter.check_target(config)
-        self.config, self.params, self.drafter = config, params, drafter
+        self.drafter = drafter or Autoregressive()
+        self.drafter.check_target(config)
+        self.config, self.params = config, params
+        if max_len < 1:
+            raise ValueError(f"max_len must be >= 1, got {max_len}")
         self.max_len = max_len
         self.prefill_chunk = min(prefill_chunk, max_len)
         self.attention_chunk = min(attention_chunk, max_len)
         if max_len % self.attention_chunk:
             raise ValueError(f"max_len {max_len} must be a multiple of the attention chunk {self.attention_chunk}")
         self.eos_ids = tuple(config.eos_token_ids if eos_ids is None else eos_ids)
-        self.num_nodes = drafter.num_nodes if drafter else 1
-        self.max_depth = drafter.max_depth if drafter else 0
-        self.feature_layers = drafter.feature_layers if drafter else ()
-        self.drafter_params = drafter.params if drafter else ()
+        self.num_nodes, self.max_depth = self.drafter.num_nodes, self.drafter.max_depth
+        self.drafter_params = self.drafter.params
+        self._reset_jit = jax.jit(self._reset, donate_argnums=0)
         self._prefill_jit = jax.jit(self._prefill_chunk, donate_argnums=2)
-        self._start_jit = jax.jit(self._start, donate_argnums=0)
         self._decode_jit = jax.jit(self._decode, donate_argnums=2)
 
     # ----------------------------------------------------------------- traced pieces
 
     def _target(self, params, tokens, positions, cache, block_mask):
         return llama.forward(
-            params,
-            self.config,
-            tokens,
-            positions,
-            cache,
-            block_mask,
-            taps=llama.Taps(layer_inputs=self.feature_layers),
-            chunk_size=self.attention_chunk,
+            params, self.config, tokens, positions, cache, block_mask, taps=self.drafter.taps, chunk_size=self.attention_chunk
+        )
+
+    def _reset(self, state: DecodeState, rows, history, prompt_lengths, max_new) -> DecodeState:
+        """Empty the slots rows [B] (bool) for new prompts (history [B, S], lengths and limits [B]).
+
+        Their pending token is the prompt's last; they stay inactive until `admit` has prefilled them.
+        """
+        pick = lambda new, old: jnp.where(rows.reshape(rows.shape + (1,) * (old.ndim - 1)), new, old)
+        last = jnp.take_along_axis(history, jnp.maximum(prompt_lengths - 1, 0)[:, None], 1)[:, 0]
+        return state.replace(
+            cache=state.cache.reset_rows(rows),
+            history=pick(history, state.history),
+            pending=pick(last, state.pending),
+            prompt_lengths=pick(prompt_lengths, state.prompt_lengths),
+            num_generated=pick(0, state.num_generated),
+            max_new=pick(max_new, state.max_new),
+            active=pick(False, state.active),
+            drafter_state=self.drafter.reset_rows(state.drafter_state, rows),
+            accepted_hist=pick(0, state.accepted_hist),
         )
 
     def _prefill_chunk(self, params, drafter_params, state: DecodeState, chunk: PrefillChunk) -> DecodeState:
-        size = chunk.tokens.shape[1]
-        out = self._target(params, chunk.tokens, chunk.positions, state.cache, jnp.tril(jnp.ones((size, size), bool)))
-        cache = kv.commit(kv.write(state.cache, out.k, out.v), chunk.num_valid)
-        ends_here = (chunk.num_valid > 0) & (chunk.start + chunk.num_valid == chunk.prompt_lengths)
-        last = jnp.take_along_axis(out.logits, jnp.maximum(chunk.num_valid - 1, 0)[:, None, None], axis=1)[:, 0]
-        drafter_state = state.drafter_state
-        if self.drafter is not None:
-            drafter_state = self.drafter.prefill(drafter_params, drafter_state, chunk.replace(features=out.features))
+        out = self._target(params, chunk.tokens, chunk.positions, state.cache, tree_lib.causal_mask(chunk.tokens.shape[1]))
         return state.replace(
-            cache=cache,
-            last_logits=jnp.where(ends_here[:, None], last, state.last_logits),
-            drafter_state=drafter_state,
-        )
-
-    def _start(self, state: DecodeState, sampling: sampling_lib.SamplingParams, max_new: jax.Array) -> DecodeState:
-        """Sample the first token from the prompt's last logits; it becomes the pending token."""
-        key, sample_key = jax.random.split(state.key)
-        first = sampling_lib.sample(sample_key, sampling_lib.probs(state.last_logits, sampling))  # [B]
-        rows = jnp.arange(first.shape[0])
-        return state.replace(
-            pending=first,
-            history=state.history.at[rows, state.cache.lengths].set(first, mode="drop"),
-            num_generated=jnp.ones_like(first),
-            active=~self._is_eos(first) & (max_new > 1),
-            key=key,
+            cache=kv.append(state.cache, out.k, out.v, chunk.num_valid),
+            drafter_state=self.drafter.prefill(drafter_params, state.drafter_state, chunk.replace(features=out.features)),
         )
 
     def _is_eos(self, tokens: jax.Array) -> jax.Array:
         eos = jnp.asarray(self.eos_ids or (-1,), jnp.int32)
         return jnp.any(tokens[..., None] == eos, axis=-1)
 
-    def _propose(self, drafter_params, state: DecodeState, key, ctx: StepContext, sampling):
-        if self.drafter is None:
-            batch = ctx.pending.shape[0]
-            return state.drafter_state, Proposal(tree=tree_lib.chain(batch, 0), tokens=ctx.pending[:, None])
-        return self.drafter.propose(drafter_params, state.drafter_state, key, ctx, sampling)
-
     def _verify(self, key, proposal: Proposal, target_probs, sampling) -> verify.Verdict:
-        if self.drafter is None:
-            batch = target_probs.shape[0]
-            return verify.Verdict(
-                accepted=jnp.zeros((batch,), jnp.int32),
-                next_token=sampling_lib.sample(key, target_probs[:, 0]),
-                path=jnp.zeros((batch, 1), jnp.int32),
-                accepted_at=jnp.zeros((batch, 0), bool),
-            )
-        if proposal.draft_probs is not None:
+        if proposal.rule == "rejection":
             return verify.chain(key, proposal.tokens[:, 1:], proposal.draft_probs, target_probs, sampling)
-        return verify.tree(key, proposal.tree, proposal.tokens, target_probs, sampling)
+        if proposal.rule == "point_mass":
+            return verify.tree(key, proposal.tree, proposal.tokens, target_probs, sampling)
+        raise ValueError(f"unknown verification rule {proposal.rule!r}")
 
-    def _step(self, params, drafter_params, state: DecodeState, sampling, max_new) -> DecodeState:
+    def _step(self, params, drafter_params, state: DecodeState, sampling) -> DecodeState:
         key = jax.random.fold_in(state.key, state.step)
         draft_key, verify_key = jax.random.split(key)
         cache = state.cache
         ctx = StepContext(pending=state.pending, lengths=cache.lengths, history=state.history, active=state.active)
 
-        drafter_state, proposal = self._propose(drafter_params, state, draft_key, ctx, sampling)
+        drafter_state, proposal = self.drafter.propose(drafter_params, state.drafter_state, draft_key, ctx, sampling)
         tree = proposal.tree
         positions = cache.lengths[:, None] + tree.depths  # [B, N]
         out = self._target(params, proposal.tokens, positions, cache, tree.ancestor_mask())
-        target_probs = sampling_lib.probs(out.logits, sampling)  # [B, N, V]
-        verdict = self._verify(verify_key, proposal, target_probs, sampling)
+        verdict = self._verify(verify_key, proposal, sampling_lib.probs(out.logits, sampling), sampling)
 
-        # Commit: the accepted path's entries into contiguous slots, then the length update.
         accepted = jnp.where(state.active, verdict.accepted, 0)  # [B]
-        cache = kv.write(cache, out.k, out.v)
-        if not _is_chain(proposal):
-            cache = kv.compact(cache, verdict.path)
-        cache = kv.commit(cache, jnp.where(state.active, accepted + 1, 0))
-
-        # Emitted tokens: the accepted drafts, then the new pending token.
         emitted = verify.emitted_tokens(verdict, proposal.tokens)  # [B, D + 1], -1 past the end
+        commit = Commit(
+            accepted=accepted,
+            num_committed=jnp.where(state.active, accepted + 1, 0),
+            path=verdict.path,
+            next_token=verdict.next_token,
+            emitted=jnp.where(state.active[:, None], emitted, -1),
+        )
+        # The accepted path's entries into contiguous slots (a chain's already are), then the length update.
+        cache = kv.write(cache, out.k, out.v)
+        if tree.max_depth != tree.num_nodes - 1:
+            cache = kv.compact(cache, commit.path)
+        cache = kv.commit(cache, commit.num_committed)
+
         offsets = jnp.arange(emitted.shape[1])  # [D + 1]
-        valid = (offsets <= accepted[:, None]) & state.active[:, None]  # [B, D + 1]
+        valid = commit.emitted >= 0  # [B, D + 1]
         slots = jnp.where(valid, ctx.lengths[:, None] + 1 + offsets, self.max_len)  # out of range: dropped
-        rows = jnp.arange(emitted.shape[0])[:, None]
-        history = state.history.at[rows, slots].set(emitted, mode="drop")
-
-        num_generated = state.num_generated + jnp.where(state.active, accepted + 1, 0)
-        hit_eos = jnp.any(self._is_eos(emitted) & valid, axis=1)
-        active = state.active & ~hit_eos & (num_generated < max_new)
+        history = state.history.at[jnp.arange(emitted.shape[0])[:, None], slots].set(commit.emitted, mode="drop")
+        num_generated = state.num_generated + commit.num_committed
+        hit_eos = jnp.any(self._is_eos(commit.emitted) & valid, axis=1)
         hist_update = jax.nn.one_hot(accepted, self.max_depth + 1, dtype=jnp.int32) * state.active[:, None]
-
-        if self.drafter is not None:
-            drafter_state = self.drafter.update(drafter_params, drafter_state, ctx, proposal, verdict, out.features)
         return state.replace(
             cache=cache,
             history=history,
             pending=jnp.where(state.active, verdict.next_token, state.pending),
             num_generated=num_generated,
-            active=active,
-            drafter_state=drafter_state,
+            active=state.active & ~hit_eos & (num_generated < state.max_new),
+            drafter_state=self.drafter.update(drafter_params, drafter_state, ctx, proposal, commit, out.features),
             step=state.step + 1,
             accepted_hist=state.accepted_hist + hist_update,
         )
 
-    def _decode(self, params, drafter_params, state: DecodeState, sampling, max_new, stop_step) -> DecodeState:
+    def _decode(self, params, drafter_params, state: DecodeState, sampling, stop_step) -> DecodeState:
         """Decode until every row is done or `stop_step` steps were taken (no host sync inside)."""
         return jax.lax.while_loop(
             lambda s: jnp.any(s.active) & (s.step < stop_step),
-            lambda s: self._step(params, drafter_params, s, sampling, max_new),
+            lambda s: self._step(params, drafter_params, s, sampling),
             state,
         )
 
-    # ----------------------------------------------------------------- host driver
+    # ----------------------------------------------------------------- state API
 
-    def _initial_state(self, history: np.ndarray, key) -> DecodeState:
+    def init_state(self, batch_size: int, seed: int = 0) -> DecodeState:
+        """An empty batch of `batch_size` slots, every row inactive."""
         c = self.config
-        batch = history.shape[0]
         dtype = jax.tree.leaves(self.params)[0].dtype
+        zeros = lambda: jnp.zeros((batch_size,), jnp.int32)  # distinct buffers: the state is donated
         return DecodeState(
-            cache=kv.KVCache.init(c.num_layers, batch, self.max_len, c.num_kv_heads, c.head_dim, dtype),
-            history=jnp.array(history),  # a copy: the state is donated, never alias host memory
-            pending=jnp.zeros((batch,), jnp.int32),
-            num_generated=jnp.zeros((batch,), jnp.int32),
-            active=jnp.zeros((batch,), bool),
-            last_logits=jnp.zeros((batch, c.vocab_size), jnp.float32),
-            drafter_state=self.drafter.init_state(batch, self.max_len) if self.drafter else (),
-            key=key,
+            cache=kv.KVCache.init(c.num_layers, batch_size, self.max_len, c.num_kv_heads, c.head_dim, dtype),
+            history=jnp.zeros((batch_size, self.max_len), jnp.int32),
+            pending=zeros(),
+            prompt_lengths=zeros(),
+            num_generated=zeros(),
+            max_new=zeros(),
+            active=jnp.zeros((batch_size,), bool),
+            drafter_state=self.drafter.init_state(batch_size, self.max_len),
+            key=jax.random.key(seed),
             step=jnp.zeros((), jnp.int32),
-            accepted_hist=jnp.zeros((batch, self.max_depth + 1), jnp.int32),
+            accepted_hist=jnp.zeros((batch_size, self.max_depth + 1), jnp.int32),
         )
+
+    def admit(
+        self, state: DecodeState, rows: Sequence[int], prompts: list[list[int]], max_new_tokens, drafter_params=None
+    ) -> DecodeState:
+        """Put `prompts` into the slots `rows` of a (possibly running) batch and prefill them.
+
+        The other rows keep their state and resume with the next `decode`. Prompts and limits
+        are checked first (ValueError naming the problem).
+        """
+        batch = state.pending.shape[0]
+        max_new = np.broadcast_to(np.asarray(max_new_tokens, np.int32), (len(prompts),))
+        self._check_prompts(prompts, max_new)
+        if len(rows) != len(prompts) or len(set(rows)) != len(rows) or not all(0 <= r < batch for r in rows):
+            raise ValueError(f"rows {list(rows)} must be {len(prompts)} distinct slots in [0, {batch})")
+        drafter_params = self._check_drafter_params(drafter_params)
+        selected = np.zeros(batch, bool)
+        history = np.zeros((batch, self.max_len), np.int32)  # [B, S] the new prompts, zero-padded
+        lengths = np.zeros(batch, np.int32)  # [B] prompt lengths of the admitted rows
+        limits = np.zeros(batch, np.int32)
+        for row, prompt, limit in zip(rows, prompts, max_new):
+            selected[row], lengths[row], limits[row] = True, len(prompt), limit
+            history[row, : len(prompt)] = prompt
+        state = self._reset_jit(state, jnp.asarray(selected), jnp.asarray(history), jnp.asarray(lengths), jnp.asarray(limits))
+        chunk, prefill_lengths = self.prefill_chunk, np.maximum(lengths - 1, 0)  # the last prompt token is pending
+        history_dev = jnp.asarray(history)
+        for start in range(0, int(prefill_lengths.max()), chunk):
+            window = np.zeros((batch, chunk), np.int32)
+            window[:, : min(chunk, self.max_len - start)] = history[:, start : start + chunk]
+            state = self._prefill_jit(
+                self.params,
+                drafter_params,
+                state,
+                PrefillChunk(
+                    tokens=jnp.asarray(window),
+                    positions=jnp.asarray(start + np.arange(chunk)[None, :].repeat(batch, 0)),
+                    num_valid=jnp.asarray(np.clip(prefill_lengths - start, 0, chunk).astype(np.int32)),
+                    history=history_dev,
+                ),
+            )
+        return state.replace(active=state.active | jnp.asarray(selected))
+
+    def decode(self, state: DecodeState, sampling: sampling_lib.SamplingParams, num_steps: int, drafter_params=None) -> DecodeState:
+        """Up to `num_steps` decode steps on device (fewer when every row finishes); donates `state`."""
+        if num_steps < 1:
+            raise ValueError(f"num_steps must be >= 1, got {num_steps}")
+        drafter_params = self._check_drafter_params(drafter_params)
+        return self._decode_jit(self.params, drafter_params, state, sampling, state.step + num_steps)
+
+    # ----------------------------------------------------------------- host driver
 
     def _check_prompts(self, prompts: list[list[int]], max_new: np.ndarray) -> None:
         if not prompts:
             raise ValueError("no prompts given")
+        if np.any(max_new < 1):
+            raise ValueError("max_new_tokens must be >= 1")
         for row, prompt in enumerate(prompts):
             if len(prompt) == 0:
                 raise ValueError(f"prompt {row} is empty")
@@ -272,8 +308,6 @@ class Engine:
         if sampling.batch_size != batch:
             raise ValueError(f"sampling params are for {sampling.batch_size} rows, got {batch} prompts")
         max_new = np.broadcast_to(np.asarray(max_new_tokens, np.int32), (batch,))
-        if np.any(max_new < 1):
-            raise ValueError("max_new_tokens must be >= 1")
         self._check_prompts(prompts, max_new)
         return sampling, max_new
 
@@ -290,36 +324,6 @@ class Engine:
             if expected.get(name) != given.get(name):
                 raise ValueError(f"drafter_params{name}: expected {expected.get(name)}, got {given.get(name)} (shape, dtype)")
         return drafter_params
-
-    def _prefill(self, prompts, sampling, max_new: np.ndarray, seed: int, drafter_params) -> DecodeState:
-        """Run the prompts through the target (and drafter) in fixed-size chunks; sample token 1."""
-        batch = len(prompts)
-        prompt_lengths = np.array([len(p) for p in prompts], np.int32)
-        tokens_np = np.zeros((batch, self.max_len), np.int32)  # [B, S] the prompts, zero-padded
-        for row, prompt in enumerate(prompts):
-            tokens_np[row, : len(prompt)] = prompt
-        state = self._initial_state(tokens_np, jax.random.key(seed))
-        chunk = self.prefill_chunk
-        for start in range(0, int(prompt_lengths.max()), chunk):
-            window = np.zeros((batch, chunk + 1), np.int32)
-            end = min(start + chunk + 1, self.max_len)
-            window[:, : end - start] = tokens_np[:, start:end]
-            state = self._prefill_jit(
-                self.params,
-                drafter_params,
-                state,
-                PrefillChunk(
-                    tokens=jnp.asarray(window[:, :-1]),
-                    next_tokens=jnp.asarray(window[:, 1:]),
-                    positions=jnp.asarray(start + np.arange(chunk)[None, :].repeat(batch, 0)),
-                    start=jnp.asarray(np.minimum(prompt_lengths, start)),
-                    num_valid=jnp.asarray(np.clip(prompt_lengths - start, 0, chunk).astype(np.int32)),
-                    prompt_lengths=jnp.asarray(prompt_lengths),
-                ),
-            )
-        state = self._start_jit(state, sampling, jnp.asarray(max_new))
-        state.pending.block_until_ready()
-        return state
 
     def generate(
         self,
@@ -339,30 +343,22 @@ class Engine:
         nothing recompiles): a draft being trained is evaluated this way.
         """
         sampling, max_new = self.validate(prompts, sampling, max_new_tokens)
-        drafter_params = self._check_drafter_params(drafter_params)
-        prompt_lengths = np.array([len(p) for p in prompts], np.int32)
+        if steps_per_sync is not None and steps_per_sync < 1:
+            raise ValueError(f"steps_per_sync must be >= 1, got {steps_per_sync}")
         t0 = time.perf_counter()
-        state = self._prefill(prompts, sampling, max_new, seed, drafter_params)
+        state = self.admit(self.init_state(len(prompts), seed), range(len(prompts)), prompts, max_new, drafter_params)
+        state.pending.block_until_ready()
         t1 = time.perf_counter()
-
-        max_new_dev = jnp.asarray(max_new)
-        stop = 0
         max_steps = int(max_new.max())  # every step emits at least one token
-        while True:
-            stop = min(stop + (steps_per_sync or max_steps), max_steps)
-            state = self._decode_jit(self.params, drafter_params, state, sampling, max_new_dev, jnp.asarray(stop, jnp.int32))
+        for _ in range(0, max_steps, steps_per_sync or max_steps):
+            state = self.decode(state, sampling, steps_per_sync or max_steps, drafter_params)
             if on_step is not None:
-                on_step(self._outputs(state, prompt_lengths, max_new))
-            if stop >= max_steps or not bool(jnp.any(state.active)):
+                on_step(self.outputs(state))
+            if not bool(jnp.any(state.active)):
                 break
-        tokens = self._outputs(state, prompt_lengths, max_new)
+        tokens = self.outputs(state)
         t2 = time.perf_counter()
-        return Stats(
-            accepted_hist=np.asarray(state.accepted_hist),
-            prefill_s=t1 - t0,
-            decode_s=t2 - t1,
-            tokens=tokens,
-        )
+        return Stats(accepted_hist=np.asarray(state.accepted_hist), prefill_s=t1 - t0, decode_s=t2 - t1, tokens=tokens)
 
     def profile_step(
         self, prompts: list[list[int]], sampling=None, repeats: int = 20, seed: int = 0
@@ -375,8 +371,8 @@ class Engine:
         their ratios (c, T_verify / T_decode) stay stable.
         """
         sampling, max_new = self.validate(prompts, sampling, self.max_len - max(map(len, prompts)) - self.num_nodes)
-        state = self._prefill(prompts, sampling, max_new, seed, self.drafter_params)
         batch = len(prompts)
+        state = self.admit(self.init_state(batch, seed), range(batch), prompts, max_new)
 
         def target_over(params, state, num_nodes):
             chain = tree_lib.chain(batch, num_nodes - 1)
@@ -386,13 +382,13 @@ class Engine:
 
         def draft(params, drafter_params, state):
             ctx = StepContext(state.pending, state.cache.lengths, state.history, state.active)
-            return self._propose(drafter_params, state, jax.random.key(0), ctx, sampling)[1].tokens
+            return self.drafter.propose(drafter_params, state.drafter_state, jax.random.key(0), ctx, sampling)[1].tokens
 
         pieces = {
             "decode": (jax.jit(target_over, static_argnums=2), (self.params, state, 1)),
             "verify": (jax.jit(target_over, static_argnums=2), (self.params, state, self.num_nodes)),
             "draft": (jax.jit(draft), (self.params, self.drafter_params, state)),
-            "step": (jax.jit(self._step), (self.params, self.drafter_params, state, sampling, jnp.asarray(max_new))),
+            "step": (jax.jit(self._step), (self.params, self.drafter_params, state, sampling)),
         }
         for fn, args in pieces.values():
             jax.block_until_ready(fn(*args))  # compile
@@ -407,24 +403,19 @@ class Engine:
     def warmup(self, batch_size: int) -> float:
         """Compile every function for this batch size; returns the seconds it took."""
         start = time.perf_counter()
-        self.generate([[0]] * batch_size, max_new_tokens=2)
+        self.generate([[0, 0]] * batch_size, max_new_tokens=2)  # two tokens: one to prefill
         return time.perf_counter() - start
 
-    def _outputs(self, state: DecodeState, prompt_lengths, max_new) -> list[list[int]]:
+    def outputs(self, state: DecodeState) -> list[list[int]]:
+        """Every row's generated tokens so far (at most its max_new_tokens, cut after an EOS)."""
         history = np.array(state.history)  # a copy: the state's buffers are donated to the next call
-        generated = np.array(state.num_generated)
+        starts, generated, limits = (np.array(x) for x in (state.prompt_lengths, state.num_generated, state.max_new))
         rows = []
-        for row, start in enumerate(prompt_lengths):
-            count = min(int(generated[row]), int(max_new[row]))
-            tokens = history[row, start : start + count].tolist()
+        for row, start in enumerate(starts):
+            tokens = history[row, start : start + min(generated[row], limits[row])].tolist()
             for i, token in enumerate(tokens):
                 if token in self.eos_ids:
                     tokens = tokens[: i + 1]
                     break
             rows.append(tokens)
         return rows
-
-
-def _is_chain(proposal: Proposal) -> bool:
-    """Static: a chain's accepted path is already contiguous, so it needs no compaction."""
-    return proposal.tree.max_depth == proposal.tree.num_nodes - 1

@@ -37,11 +37,11 @@ class SamplingParams:
         min_p: float = 0.0,
     ) -> SamplingParams:
         """The same parameters for every row, validated."""
-        if temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {temperature}")
+        if not 0 <= temperature < float("inf"):  # NaN fails every comparison
+            raise ValueError(f"temperature must be a finite number >= 0, got {temperature}")
         if top_k < 0:
             raise ValueError(f"top_k must be >= 0 (0 disables), got {top_k}")
-        if not 0.0 < top_p <= 1.0:
+        if not 0.0 < top_p <= 1.0:  # also refuses NaN
             raise ValueError(f"top_p must be in (0, 1], got {top_p}")
         if not 0.0 <= min_p < 1.0:
             raise ValueError(f"min_p must be in [0, 1), got {min_p}")

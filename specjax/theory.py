@@ -5,7 +5,7 @@ Notation: alpha is the per-token acceptance rate (the chance the verifier accept
 token given it accepted every earlier one; for one position, sum_x min(p(x), q(x))); n is the
 number of drafted tokens per step; c is the cost of one draft step relative to one target
 decode step. Token counts always include the token the verifier itself samples (residual or
-bonus), so "tokens per call" is the acceptance length tau of DESIGN.md.
+bonus), so "tokens per call" is the acceptance length tau (docs/architecture.md).
 """
 
 from __future__ import annotations

@@ -44,6 +44,11 @@ def ancestor_mask(parents: jax.Array, max_depth: int) -> jax.Array:
     return mask
 
 
+def pool_size(depth: int, top_k: int) -> int:
+    """Candidates of an EAGLE-2 tree: top_k at level 1, then top_k children of the top_k best per level."""
+    return top_k + (depth - 1) * top_k**2
+
+
 def causal_mask(size: int) -> jax.Array:
     """[T, T] bool lower-triangular mask: a chain's ancestor-or-self mask, shared by every row."""
     return jnp.tril(jnp.ones((size, size), bool))

@@ -6,7 +6,7 @@ distributed as if sampled one by one from the target's processed distribution q
 
 chain: drafts sampled from known distributions p (Leviathan et al. 2023; Chen et al. 2023).
 tree:  deterministic candidates (EAGLE-2 top-k, n-gram, Medusa), verified by the point-mass
-       rule of DESIGN.md: at an accepted node with residual r (starting at q), try the children
+       rule of docs/architecture.md: at an accepted node with residual r (starting at q), try the children
        in index order, accept child c with probability r(c), on rejection zero r(c) and
        renormalise; if every child is rejected, sample from r.
 

@@ -9,8 +9,8 @@ from specjax import tree as tree_lib
 from specjax.drafters.base import Drafter, Proposal
 from specjax.drafters.draft_model import DraftModelDrafter
 from specjax.drafters.eagle3 import Eagle3Drafter
-from specjax.drafters.lookup_first import LookupFirstDrafter
 from specjax.drafters.ngram import NgramDrafter
+from specjax.drafters.ngram_first import NgramFirst
 from specjax.models import eagle3, llama
 from specjax.models.config import ModelConfig
 
@@ -67,9 +67,6 @@ class OracleTreeDrafter(Drafter):
     def max_depth(self) -> int:
         return self.depth
 
-    def init_state(self, batch_size, max_len):
-        return ()
-
     def propose(self, params, state, key, ctx, sampling):
         batch = ctx.pending.shape[0]
         max_len = ctx.history.shape[1]
@@ -109,7 +106,8 @@ def all_drafters(config: ModelConfig, params) -> dict[str, Drafter]:
         "draft-self": DraftModelDrafter(config, params, num_draft=3),
         "eagle3-chain": eagle3_drafter(config, params, depth=3),
         "eagle3-tree": eagle3_drafter(config, params, depth=3, top_k=2, nodes=6),
-        "eagle3-lookup-first": LookupFirstDrafter(eagle3_drafter(config, params, depth=3), min_match=2),
+        "eagle3-ngram-first": NgramFirst(eagle3_drafter(config, params, depth=3), min_ngram=2),
+        "draft-ngram-first": NgramFirst(DraftModelDrafter(draft_config, tiny_params(draft_config, 3), num_draft=3), min_ngram=2),
         "oracle-tree": OracleTreeDrafter(config, params, depth=3),
     }
 

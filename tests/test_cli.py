@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from infer import bench, generate
+from infer import bench, generate, tune
 
 PROMPT = "Repeat exactly: alpha beta gamma delta, alpha beta gamma delta."
 
@@ -27,10 +27,8 @@ def test_generate_speculative_text_equals_autoregressive(capsys):
     assert "tau" in ngram and "acceptance by position" in ngram
     streamed = run_generate(capsys, "--method", "ngram", "--num-spec", "4", *common[:-1])
     assert streamed.startswith(text(plain))
-    lookup_first = run_generate(capsys, "--method", "eagle3+ngram", "--num-spec", "3", *common)  # the shipped draft
-    assert text(lookup_first) == text(plain) and "tau" in lookup_first
-    with pytest.raises(ValueError, match="eagle3\\+ngram: only eagle3 drafts trees"):
-        generate.main(["--method", "eagle3+ngram", "--tree", "3,2,4", *common])
+    ngram_first = run_generate(capsys, "--method", "eagle3+ngram", "--num-spec", "3", *common)  # the shipped draft
+    assert text(ngram_first) == text(plain) and "tau" in ngram_first
 
 
 @pytest.mark.slow
@@ -39,10 +37,56 @@ def test_generate_rejects_a_prompt_longer_than_the_cache():
         generate.main(["--prompt", "word " * 200, "--max-len", "128", "--max-new-tokens", "8"])
 
 
-def test_unknown_option_is_an_error(capsys):
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--temprature", "0.5"], "unrecognized arguments: --temprature"),
+        (["--temperature", "nan"], "--temperature: expected a number >= 0, got 'nan'"),
+        (["--top-p", "0"], "--top-p: expected a number in (0, 1]"),
+        (["--max-len", "0"], "--max-len: expected an integer >= 1"),
+        (["--steps-per-sync", "-1"], "--steps-per-sync: expected an integer >= 1"),
+        (["--seed", str(2**64)], "--seed: expected a seed in [0, 4294967295]"),
+        (["--tree", "3,2"], "--tree: a tree is DEPTH,TOPK,NODES"),
+        (["--method", "medusa"], "--method: invalid choice: 'medusa'"),
+    ],
+)
+def test_bad_flags_are_named_while_parsing(argv, message, capsys):
     with pytest.raises(SystemExit):
-        generate.parse_args(["--temprature", "0.5"])
-    assert "unrecognized arguments: --temprature" in capsys.readouterr().err
+        generate.parse_args(argv)
+    assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--method", "ar", "--num-spec", "3"], "ar drafts nothing"),
+        (["--method", "ngram", "--tree", "3,2,4"], "ngram drafts chains, not trees"),
+        (["--method", "eagle3+ngram", "--tree", "3,2,4"], "eagle3\\+ngram drafts chains, not trees"),
+        (["--method", "eagle3", "--min-ngram", "2"], "eagle3 does no prompt lookup"),
+        (["--method", "ngram", "--draft", "somewhere"], "--draft is not used by ngram:5"),
+        (["--raw", "--system", "be brief"], "--system applies to the chat template"),
+        (["--prompts-file", "/nonexistent.jsonl"], "/nonexistent.jsonl: No such file"),
+    ],
+)
+def test_inapplicable_flags_fail_before_loading(argv, message, monkeypatch):
+    monkeypatch.setattr(generate.common, "load_target", lambda args: pytest.fail("loaded the model"))
+    with pytest.raises(ValueError, match=message):
+        generate.main(argv)
+
+
+def test_prompts_file_errors_name_file_and_line(tmp_path):
+    path = tmp_path / "prompts.jsonl"
+    path.write_text('{"prompt": "hi"}\n\n{"messages": [{"role": "system", "content": "x"}]}\n')
+    with pytest.raises(ValueError, match=f"{path}:3: expected a 'prompt' string or 'messages' with a user turn"):
+        generate.read_prompts_file(str(path))
+    path.write_text('{"prompt": "hi"}\n{"prompt": \n')
+    with pytest.raises(ValueError, match=f"{path}:2: not a JSON object"):
+        generate.read_prompts_file(str(path))
+    path.write_bytes(b'{"prompt": "\xff"}\n')
+    with pytest.raises(ValueError, match="not UTF-8"):
+        generate.read_prompts_file(str(path))
+    path.write_text('{"messages": [{"role": "user", "content": "a"}, {"role": "user", "content": "b"}]}\n')
+    assert generate.read_prompts_file(str(path)) == ["b"]
 
 
 def test_method_specs_parse_and_fail_clearly():
@@ -50,16 +94,31 @@ def test_method_specs_parse_and_fail_clearly():
     assert [s.label for s in specs] == ["ar", "ngram:5", "eagle3:4,4,16", "eagle3:3", "eagle3+ngram:3"]
     with pytest.raises(ValueError, match="unknown method 'medusa'"):
         bench.split_methods("medusa:3")
-    with pytest.raises(ValueError, match="only eagle3 drafts trees"):
+    with pytest.raises(ValueError, match="ngram drafts chains, not trees"):
         bench.split_methods("ngram:4,4,16")
-    with pytest.raises(ValueError, match="only eagle3 drafts trees"):
+    with pytest.raises(ValueError, match="eagle3\\+ngram drafts chains, not trees"):
         bench.split_methods("eagle3+ngram:4,2,8")
+    with pytest.raises(ValueError, match="ar drafts nothing"):
+        bench.split_methods("ar:3")
+
+
+def test_bench_and_tune_refuse_flags_they_do_not_take(capsys):
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--method", "ngram"])  # not an abbreviation of --methods
+    assert "unrecognized arguments: --method" in capsys.readouterr().err
+    for argv in (["--num-spec", "3"], ["--tree", "3,2,4"]):
+        with pytest.raises(SystemExit):
+            tune.parse_args(argv)
+    with pytest.raises(ValueError, match="--draft is not used by ar, ngram:5"):
+        bench.parse_args(["--methods", "ar,ngram:5", "--draft", "somewhere"])
+    with pytest.raises(ValueError, match="not a method tune can rank"):
+        tune.parse_args(["--methods", "ar"])
 
 
 @pytest.mark.slow
 def test_bench_writes_table_json_and_plots(tmp_path, capsys):
     out = tmp_path / "bench.json"
-    bench.main(["--methods", "ar,ngram:3", "--batch-sizes", "2", "--num-prompts", "2", "--max-new-tokens", "8",
+    bench.main(["--methods", "ar,ngram:3", "--batch-size", "2", "--num-prompts", "2", "--max-new-tokens", "8",
                 "--repeats", "1", "--max-len", "512", "--out", str(out), "--plots", str(tmp_path)])
     assert "of bound" in capsys.readouterr().out
     results = json.loads(out.read_text())["results"]

@@ -110,7 +110,7 @@ def test_bad_inputs_are_named():
 
 def test_new_prompts_do_not_recompile():
     engine = Engine(CONFIG, PARAMS, DRAFTERS["eagle3-tree"], max_len=MAX_LEN)
-    jitted = (engine._prefill_jit, engine._start_jit, engine._decode_jit)
+    jitted = (engine._reset_jit, engine._prefill_jit, engine._decode_jit)
     engine.generate(PROMPTS, max_new_tokens=8)
     sizes = [f._cache_size() for f in jitted]
     assert sizes == [1, 1, 1]
@@ -121,6 +121,21 @@ def test_new_prompts_do_not_recompile():
     single = engine.generate(PROMPTS[:1], max_new_tokens=8)  # a new batch size compiles once more
     assert single.tokens == engine_for(None).generate(PROMPTS[:1], max_new_tokens=8).tokens
     assert [f._cache_size() for f in jitted] == [2, 2, 2]
+
+
+@pytest.mark.parametrize("method", ["eagle3-tree", "draft-random", "eagle3-ngram-first"])
+def test_a_finished_slot_takes_a_new_prompt(method, autoregressive):
+    """Slots: row 0 finishes early and takes a new prompt while row 1 keeps decoding."""
+    engine, greedy = engine_for(method), SamplingParams.make(2)
+    state = engine.admit(engine.init_state(2), [0, 1], PROMPTS[:2], [5, NEW_TOKENS])
+    while bool(state.active[0]):
+        state = engine.decode(state, greedy, 1)
+    assert engine.outputs(state)[0] == autoregressive[0][:5] and bool(state.active[1])
+    state = engine.admit(state, [0], [PROMPTS[2]], NEW_TOKENS)
+    state = engine.decode(state, greedy, 2 * NEW_TOKENS)
+    assert engine.outputs(state) == [autoregressive[2], autoregressive[1]]
+    with pytest.raises(ValueError, match="distinct slots"):
+        engine.admit(state, [2], [PROMPTS[0]], 4)
 
 
 def test_streaming_matches_one_shot():

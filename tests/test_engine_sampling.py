@@ -5,7 +5,7 @@ empirical joint distribution of (t1, t2, t3) is compared, by chi-square, with th
 enumerated from the target: q(t1) q(t2 | t1) q(t3 | t1, t2), where q is the processed
 distribution (`sampling.probs`). Chain (a sampled draft model, Leviathan rule) and tree (an
 EAGLE-2 tree from a random EAGLE-3 head, point-mass rule), at temperature 1 and with top-p
-(lookup-first drafting: test_lookup_first.py, same check).
+(n-gram-first drafting: test_ngram_first.py, same check).
 A deliberately broken commit must fail the same check.
 """
 

@@ -48,7 +48,7 @@ def test_bench_measurements_replace_the_priors(tmp_path):
 @pytest.mark.slow
 def test_measure_picks_at_least_the_default(capsys):
     text = tune.main(["--task", "code", "--measure", "--measure-top", "1", "--max-new-tokens", "16",
-                      "--repeats", "1", "--max-len", "512", "--measure-prompts", "1"])
+                      "--repeats", "1", "--max-len", "512", "--num-prompts", "1"])
     rows = dict(re.findall(r"\| (\S+) \| (\d+\.\d+) \| \d+\.\d+x \|", text))
     chosen = re.search(r"\*\*Use `(\S+)`\*\*: measured (\d+\.\d+)", text)
     assert "ar" in rows and len(rows) >= 2

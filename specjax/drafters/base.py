@@ -1,26 +1,33 @@
-"""The one interface every proposal strategy implements.
+"""The one interface every proposal strategy implements (docs/architecture.md, "The decode step").
 
 The engine owns the target model, its KV cache and the token history; a drafter owns only its
-own state (a pytree: its KV cache, features it still has to read, ...). All methods are pure
-and are traced inside the engine's jitted prefill and decode loop, so static sizes (number of
-tree nodes, depth) are Python attributes of the drafter and never depend on data.
+own state (a pytree: its KV cache, head outputs, ...). All methods are pure and are traced
+inside the engine's jitted prefill and decode loop, so static sizes (number of tree nodes,
+depth) are Python attributes of the drafter and never depend on data.
 
-Per decode step the engine calls `propose`, runs the target over the proposed tree, verifies,
-commits, and then calls `update` with what was accepted.
+Per decode step the engine calls `propose`, runs the target over the proposed tree, verifies
+by the proposal's rule, commits, and then calls `update` with the `Commit` it computed.
 """
 
 from __future__ import annotations
 
 import abc
-from typing import Any
+import dataclasses
+from typing import Any, Callable, Literal
 
 import jax
 from flax import struct
 
+from specjax.kv_cache import KVCache
+from specjax.models.llama import Taps
 from specjax.sampling import SamplingParams
 from specjax.tree import Tree
 
 DrafterState = Any  # a pytree
+
+#: How a proposal is verified: "point_mass" (deterministic candidates, `verify.tree`) or
+#: "rejection" (a chain sampled from `draft_probs`, `verify.chain`).
+Rule = Literal["point_mass", "rejection"]
 
 
 @struct.dataclass
@@ -30,17 +37,40 @@ class Proposal:
     tree:        topology with N = num_nodes nodes; node 0 is the pending token.
     tokens:      [B, N] target-vocabulary ids; tokens[:, 0] is the pending token.
     draft_probs: [B, N - 1, V] the distributions the drafted chain tokens were sampled from
-                 (Leviathan rule), or None for deterministic candidates (tree point-mass rule).
+                 (rule "rejection" only).
+    rule:        static; which verification rule is exact for these drafts.
     """
 
     tree: Tree
     tokens: jax.Array
     draft_probs: jax.Array | None = None
+    rule: Rule = struct.field(pytree_node=False, default="point_mass")
+
+
+@struct.dataclass
+class Commit:
+    """What one decode step committed, per row; the engine computes it once, drafters read it.
+
+    accepted:      [B] drafted tokens accepted (0 for rows that were not active).
+    num_committed: [B] target cache entries committed: the old pending token and the accepted
+                   drafts (accepted + 1), 0 for rows that were not active.
+    path:          [B, D + 1] accepted node indices from the root; past `accepted` the last
+                   accepted node repeats.
+    next_token:    [B] the new pending token (residual or bonus sample).
+    emitted:       [B, D + 1] tokens emitted in order: the accepted drafts, then next_token;
+                   -1 past the end and for rows that were not active.
+    """
+
+    accepted: jax.Array
+    num_committed: jax.Array
+    path: jax.Array
+    next_token: jax.Array
+    emitted: jax.Array
 
 
 @struct.dataclass
 class StepContext:
-    """What the engine knows about each row when it asks for a draft or reports a verdict.
+    """What the engine knows about each row when it asks for a draft or reports a commit.
 
     pending: [B] the last sampled token, not yet in the target cache.
     lengths: [B] committed tokens in the target cache (the pending token sits at this position).
@@ -56,23 +86,21 @@ class StepContext:
 
 @struct.dataclass
 class PrefillChunk:
-    """One fixed-size chunk of the prompt, as the target just processed it.
+    """One fixed-size chunk of the prompts, as the target just processed it.
 
-    tokens:    [B, C] prompt tokens of this chunk (padding past each row's prompt).
-    next_tokens: [B, C] the prompt token after each position (padding where unknown).
+    The prefill commits every prompt token but the last, which becomes the pending token, so
+    the token after each prefilled position is known: history[b, positions[b, t] + 1].
+    tokens:    [B, C] prompt tokens of this chunk (padding past each row's prefill).
     positions: [B, C] absolute positions.
-    start:     [B] committed tokens before this chunk.
-    num_valid: [B] prompt tokens of the row inside this chunk (0 .. C).
-    prompt_lengths: [B] total prompt length per row.
-    features:  [B, C, F] target hidden states for drafters that read them, else None.
+    num_valid: [B] tokens of the row inside this chunk (0 .. C); rows with 0 are untouched.
+    history:   [B, S] every row's tokens (the whole prompt of the rows being prefilled).
+    features:  [B, C, F] the target taps the drafter asked for, else None.
     """
 
     tokens: jax.Array
-    next_tokens: jax.Array
     positions: jax.Array
-    start: jax.Array
     num_valid: jax.Array
-    prompt_lengths: jax.Array
+    history: jax.Array
     features: jax.Array | None = None
 
 
@@ -85,8 +113,12 @@ class Drafter(abc.ABC):
 
     params: Any = ()
 
-    #: Target layers whose input hidden states the drafter reads (EAGLE-3); empty otherwise.
-    feature_layers: tuple[int, ...] = ()
+    #: What the drafter reads of the target's forward (features in prefill and update).
+    taps: Taps = Taps()
+
+    #: True when `propose` writes state that `update` relies on; a combinator may skip a
+    #: `propose` call only when this is False (then `update` alone keeps the state right).
+    propose_changes_state: bool = False
 
     @property
     @abc.abstractmethod
@@ -101,12 +133,20 @@ class Drafter(abc.ABC):
     def check_target(self, target_config) -> None:
         """Raise ValueError if the drafter cannot serve this target (e.g. vocabulary mismatch)."""
 
-    @abc.abstractmethod
     def init_state(self, batch_size: int, max_len: int) -> DrafterState:
-        """Fresh state for a batch whose target cache has max_len slots."""
+        """Fresh state for a batch whose target cache has max_len slots. Default: stateless."""
+        return ()
+
+    def reset_rows(self, state: DrafterState, rows: jax.Array) -> DrafterState:
+        """Empty the rows where rows [B] is True, for a slot that takes a new sequence.
+
+        Default: every KV cache in the state forgets those rows; other state must be rewritten
+        by `prefill` (a drafter for which that does not hold overrides this)."""
+        is_cache = lambda leaf: isinstance(leaf, KVCache)
+        return jax.tree.map(lambda x: x.reset_rows(rows) if is_cache(x) else x, state, is_leaf=is_cache)
 
     def prefill(self, params, state: DrafterState, chunk: PrefillChunk) -> DrafterState:
-        """Read one chunk of the prompt. Default: nothing to read."""
+        """Read one chunk of the prompts. Default: nothing to read."""
         return state
 
     @abc.abstractmethod
@@ -121,12 +161,11 @@ class Drafter(abc.ABC):
         state: DrafterState,
         ctx: StepContext,
         proposal: Proposal,
-        verdict: Any,
+        commit: Commit,
         features: jax.Array | None,
     ) -> DrafterState:
-        """Learn what was accepted. ctx is the context *before* the commit; features [B, N, F]
-        are the target's features at the proposed nodes (None unless feature_layers).
-        Default: nothing to learn."""
+        """Learn what was committed. ctx is the context *before* the commit; features [B, N, F]
+        are the target's taps at the proposed nodes (None without taps). Default: nothing."""
         return state
 
 
@@ -145,3 +184,44 @@ class ChainDrafter(Drafter):
     @property
     def max_depth(self) -> int:
         return self.num_draft
+
+
+@dataclasses.dataclass(frozen=True)
+class Priors:
+    """Stated guesses `infer.tune` ranks a method by before anything is measured."""
+
+    alpha: dict[str, float]  # acceptance per drafted position at temperature 0, per task
+    temperature_decay: float  # alpha(T) = alpha(0) * exp(-temperature_decay * T)
+    draft_cost: float  # decode steps per drafted token
+
+
+@dataclasses.dataclass(frozen=True)
+class BuildContext:
+    """What a method's builder may use: the loaded target, the --draft path, the weights' dtype."""
+
+    target_config: Any  # ModelConfig
+    target_params: Any
+    draft_path: str | None
+    dtype: Any
+
+
+@dataclasses.dataclass(frozen=True)
+class Method:
+    """A decoding method as the command lines know it (see `registry` for the spec syntax).
+
+    build:     (spec, context) -> the drafter, its parameters loaded.
+    num_spec:  default drafted tokens per step; None for a method that drafts nothing.
+    trees:     whether it takes an EAGLE-2 tree DEPTH,TOPK,NODES instead of a chain.
+    draft:     what --draft names for it (None: it takes no --draft).
+    min_ngram: default shortest suffix match for prompt lookup (None: no lookup).
+    priors:    tune's priors; None keeps it out of tune's candidates.
+    """
+
+    name: str
+    help: str
+    build: Callable[[Any, BuildContext], Drafter]
+    num_spec: int | None = None
+    trees: bool = False
+    draft: str | None = None
+    min_ngram: int | None = None
+    priors: Priors | None = None

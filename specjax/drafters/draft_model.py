@@ -1,7 +1,7 @@
 """An independent small draft model that shares the target's tokenizer.
 
 Drafts are *sampled* from the draft's processed distribution p (the same SamplingParams as the
-target), so verification uses the Leviathan rule with exactly that p. The draft keeps its own KV
+target), so verification uses the rejection rule with exactly that p. The draft keeps its own KV
 cache in step with the target: after every commit both hold the same committed tokens.
 
 Invariant at `propose`: the draft cache has valid entries for positions `0 .. lengths-2`. The
@@ -15,16 +15,19 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from specjax import checkpoints
 from specjax import kv_cache as kv
 from specjax import sampling as sampling_lib
 from specjax import tree as tree_lib
-from specjax.drafters.base import ChainDrafter, PrefillChunk, Proposal, StepContext
+from specjax.drafters.base import ChainDrafter, Method, PrefillChunk, Priors, Proposal, StepContext
 from specjax.models import llama
 from specjax.models.config import ModelConfig
 
 
 class DraftModelDrafter(ChainDrafter):
     """Chain of `num_draft` tokens sampled from a small Llama-family model."""
+
+    propose_changes_state = True  # the drafted entries are written while drafting
 
     def __init__(self, config: ModelConfig, params, num_draft: int = 4, chunk_size: int = 256):
         super().__init__(num_draft)
@@ -44,34 +47,32 @@ class DraftModelDrafter(ChainDrafter):
         )
 
     def _forward(self, params, cache: kv.KVCache, tokens, positions, block_mask):
-        out = llama.forward(
-            params, self.config, tokens, positions, cache, block_mask, chunk_size=self.chunk_size
-        )
-        return out.logits, kv.write(cache, out.k, out.v)
+        out = llama.forward(params, self.config, tokens, positions, cache, block_mask, chunk_size=self.chunk_size)
+        return out.logits, out.k, out.v
 
     def prefill(self, params, cache: kv.KVCache, chunk: PrefillChunk) -> kv.KVCache:
-        size = chunk.tokens.shape[1]
-        causal = jnp.tril(jnp.ones((size, size), bool))
-        _, cache = self._forward(params, cache, chunk.tokens, chunk.positions, causal)
-        return kv.commit(cache, chunk.num_valid)
+        causal = tree_lib.causal_mask(chunk.tokens.shape[1])
+        _, k, v = self._forward(params, cache, chunk.tokens, chunk.positions, causal)
+        return kv.append(cache, k, v, chunk.num_valid)
 
-    def propose(self, params, cache: kv.KVCache, key, ctx: StepContext, sampling: SamplingParams):
+    def propose(self, params, cache: kv.KVCache, key, ctx: StepContext, sampling):
         batch = ctx.pending.shape[0]
-        rows = jnp.arange(batch)
-        last_committed = ctx.history[rows, jnp.maximum(ctx.lengths - 1, 0)]
-        start = jnp.maximum(ctx.lengths - 1, 0)
-        cache = cache.replace(lengths=start)
+        start = jnp.maximum(ctx.lengths - 1, 0)  # [B]
+        last_committed = ctx.history[jnp.arange(batch), start]
         block = jnp.stack([last_committed, ctx.pending], axis=1)  # [B, 2]
+        # [B, 2, 2] causal; with an empty cache (a one-token prompt) block[0] is the pending token
+        # itself, which block[1] must not see a second time.
+        block_mask = jnp.where((ctx.lengths > 0)[:, None, None], tree_lib.causal_mask(2), jnp.eye(2, dtype=bool))
         positions = start[:, None] + jnp.arange(2)[None, :]
-        logits, cache = self._forward(params, cache, block, positions, jnp.tril(jnp.ones((2, 2), bool)))
-        cache = kv.commit(cache, ctx.lengths + 1 - start)  # now lengths + 1: through the pending token
+        logits, k, v = self._forward(params, cache.replace(lengths=start), block, positions, block_mask)
+        cache = kv.append(cache.replace(lengths=start), k, v, ctx.lengths + 1 - start)  # through the pending token
         probs = sampling_lib.probs(logits[:, -1], sampling)  # [B, V]
 
         def draft_one(carry, step_key):
             cache, probs = carry
             token = sampling_lib.sample(step_key, probs)  # [B]
-            logits, cache = self._forward(params, cache, token[:, None], cache.lengths[:, None], jnp.ones((1, 1), bool))
-            cache = kv.commit(cache, jnp.ones_like(cache.lengths))
+            logits, k, v = self._forward(params, cache, token[:, None], cache.lengths[:, None], tree_lib.causal_mask(1))
+            cache = kv.append(cache, k, v, jnp.ones_like(cache.lengths))
             return (cache, sampling_lib.probs(logits[:, 0], sampling)), (token, probs)
 
         keys = jax.random.split(key, self.num_draft)
@@ -84,11 +85,31 @@ class DraftModelDrafter(ChainDrafter):
             tree=tree_lib.chain(batch, self.num_draft),
             tokens=jnp.concatenate([ctx.pending[:, None], drafts], axis=1),
             draft_probs=draft_probs,
+            rule="rejection",
         )
         return cache.replace(lengths=ctx.lengths), proposal
 
-    def update(self, params, cache: kv.KVCache, ctx, proposal, verdict, features) -> kv.KVCache:
-        # Entries for the pending token and accepted drafts were written while drafting;
-        # the commit is the same per-row length update the target gets.
-        accepted = jnp.where(ctx.active, verdict.accepted + 1, 0)
-        return cache.replace(lengths=ctx.lengths + accepted)
+    def update(self, params, cache: kv.KVCache, ctx, proposal, commit, features) -> kv.KVCache:
+        # The pending token's and the accepted drafts' entries were written while drafting.
+        return kv.commit(cache, commit.num_committed)
+
+
+def _build(spec, context) -> DraftModelDrafter:
+    if context.draft_path is None:
+        raise ValueError("--method draft needs --draft PATH (a small model sharing the target's tokenizer)")
+    config, params = checkpoints.load_model(context.draft_path, context.dtype)
+    return DraftModelDrafter(config, params, num_draft=spec.num_spec)
+
+
+METHOD = Method(
+    "draft",
+    "a small draft model sampling a chain (vanilla speculative decoding)",
+    build=_build,
+    num_spec=4,
+    draft="a small model sharing the target's tokenizer (HF directory or .gguf)",
+    priors=Priors(
+        alpha={"chat": 0.6, "code": 0.65, "structured": 0.65, "long-form": 0.55, "creative": 0.45},
+        temperature_decay=0.3,
+        draft_cost=0.25,
+    ),
+)

@@ -1,8 +1,9 @@
 """EAGLE-3 drafting: a chain, or an EAGLE-2 dynamic tree, from the trained draft head.
 
 The head's cache entry at position t reads (target features f_t, the token at t + 1) and its
-output predicts the token at t + 2. After every verification the head first re-reads the
-accepted path with the target's true features (the target just computed them), then drafts.
+output predicts the token at t + 2, so the head holds one entry per committed target token.
+After every verification (`update`) it reads the accepted path with the target's true features,
+the last entry reading the new pending token; `propose` only drafts, and may be skipped.
 
 EAGLE-2 tree (depth D, top-k K, T nodes): level 1 takes the K most likely tokens; each level
 expands the K best nodes of the level above (by cumulative draft log-probability) into K
@@ -13,7 +14,6 @@ point-mass tree rule. K = 1 gives a greedy chain of D tokens.
 
 from __future__ import annotations
 
-import importlib.resources
 from pathlib import Path
 
 import jax
@@ -21,10 +21,12 @@ import jax.numpy as jnp
 from flax import struct
 
 from specjax import kv_cache as kv
-from specjax.drafters.base import Drafter, PrefillChunk, Proposal, StepContext
-from specjax.models import eagle3, llama
+from specjax.checkpoints.eagle3 import load_eagle3
+from specjax.drafters.base import Commit, Drafter, Method, PrefillChunk, Priors, Proposal, StepContext
+from specjax.models import eagle3
 from specjax.models.config import ModelConfig
-from specjax.tree import Tree, ancestor_mask
+from specjax.models.llama import Taps
+from specjax.tree import Tree, ancestor_mask, causal_mask, pool_size
 
 
 def default_draft_path() -> Path:
@@ -37,10 +39,9 @@ def default_draft_path() -> Path:
 
 @struct.dataclass
 class Eagle3State:
-    cache: kv.KVCache  # the head's 1-layer cache; lengths trail the target's until `propose` reads
-    features: jax.Array  # [B, D + 1, F] target features of entries still to read
-    next_tokens: jax.Array  # [B, D + 1] token after each such entry (the last one is the pending token)
-    num_unread: jax.Array  # [B] entries to read at the next proposal
+    cache: kv.KVCache  # the head's 1-layer cache: one entry per committed target token
+    hidden: jax.Array  # [B, H] head output at the newest entry (it predicts the token after the pending one)
+    logits: jax.Array  # [B, Vd] draft-vocabulary logits of that output
 
 
 class Eagle3Drafter(Drafter):
@@ -58,12 +59,14 @@ class Eagle3Drafter(Drafter):
         chunk_size: int = 256,
     ):
         tree_nodes = depth if tree_nodes is None else tree_nodes
-        pool = top_k + (depth - 1) * top_k**2
-        if min(depth, top_k, tree_nodes) < 1 or tree_nodes > pool:
-            raise ValueError(f"tree needs depth, top_k, nodes >= 1 and nodes <= pool size {pool}; got {depth}, {top_k}, {tree_nodes}")
+        if min(depth, top_k, tree_nodes) < 1 or tree_nodes > pool_size(depth, top_k):
+            raise ValueError(
+                f"tree needs depth, top_k, nodes >= 1 and nodes <= pool size {pool_size(depth, top_k)}; "
+                f"got {depth}, {top_k}, {tree_nodes}"
+            )
         self.head_config = head_config
         self.depth, self.top_k, self.tree_nodes, self.chunk_size = depth, top_k, tree_nodes, chunk_size
-        self.feature_layers = feature_layers
+        self.taps = Taps(layer_inputs=tuple(feature_layers))
         self.params = {"head": head_params, "d2t": vocab.d2t, "embed_tokens": embed_tokens}
 
     def params_with_head(self, head_params: eagle3.Params):
@@ -89,15 +92,16 @@ class Eagle3Drafter(Drafter):
             raise ValueError(
                 f"EAGLE-3 draft hidden size {head.hidden_size} does not match the target's {target_config.hidden_size}"
             )
+        if max(self.taps.layer_inputs) >= target_config.num_layers:
+            raise ValueError(f"EAGLE-3 feature layers {self.taps.layer_inputs} beyond the target's {target_config.num_layers} layers")
 
     def init_state(self, batch_size: int, max_len: int) -> Eagle3State:
         c = self.head_config
-        width = self.depth + 1
+        dtype = self.params["head"]["fc"].dtype
         return Eagle3State(
-            cache=kv.KVCache.init(1, batch_size, max_len, c.num_kv_heads, c.head_dim, self.params["head"]["fc"].dtype),
-            features=jnp.zeros((batch_size, width, 3 * c.hidden_size), jnp.float32),
-            next_tokens=jnp.zeros((batch_size, width), jnp.int32),
-            num_unread=jnp.zeros((batch_size,), jnp.int32),
+            cache=kv.KVCache.init(1, batch_size, max_len, c.num_kv_heads, c.head_dim, dtype),
+            hidden=jnp.zeros((batch_size, c.hidden_size), dtype),
+            logits=jnp.zeros((batch_size, c.draft_vocab_size), jnp.float32),
         )
 
     def _head(self, params, cache, tokens, hidden, positions, block_mask):
@@ -107,50 +111,41 @@ class Eagle3Drafter(Drafter):
             params["head"], self.head_config, embeddings, hidden, positions, cache, block_mask, chunk_size=self.chunk_size
         )
 
-    def _read(self, params, cache, features, next_tokens, count):
-        """Read `count[b]` entries (features [B, W, F], next_tokens [B, W]) at the cache's lengths.
+    def _read(self, params, state: Eagle3State, features, next_tokens, count) -> Eagle3State:
+        """Append `count[b]` entries (features [B, W, F], the token after each [B, W]) to the head's cache.
 
-        Returns the cache with them committed, and the head output at the last entry read.
+        Rows that read something keep the head output at their last entry for the next draft.
         """
         width = features.shape[1]
+        cache = state.cache
         positions = cache.lengths[:, None] + jnp.arange(width)[None, :]
         hidden = eagle3.project_features(params["head"], features.astype(params["head"]["fc"].dtype))
-        out = self._head(params, cache, next_tokens, hidden, positions, jnp.tril(jnp.ones((width, width), bool)))
-        cache = kv.commit(kv.write(cache, out.k, out.v), count)
+        out = self._head(params, cache, next_tokens, hidden, positions, causal_mask(width))
         last = jnp.maximum(count - 1, 0)[:, None, None]
-        return cache, jnp.take_along_axis(out.hidden, last, 1)[:, 0], jnp.take_along_axis(out.logits, last, 1)[:, 0]
-
-    def prefill(self, params, state: Eagle3State, chunk: PrefillChunk) -> Eagle3State:
-        # Entry t needs the token at t + 1, so the prompt's last entry waits for the first sample.
-        readable = jnp.clip(chunk.prompt_lengths - 1 - chunk.start, 0, chunk.num_valid)  # [B]
-        cache, _, _ = self._read(params, state.cache, chunk.features, chunk.next_tokens, readable)
-        last_index = chunk.prompt_lengths - 1 - chunk.start  # [B]
-        holds_last = (chunk.num_valid > 0) & (last_index < chunk.num_valid)
-        last_feature = jnp.take_along_axis(chunk.features, jnp.maximum(last_index, 0)[:, None, None], 1)[:, 0]
-        return state.replace(
-            cache=cache,
-            features=state.features.at[:, 0].set(jnp.where(holds_last[:, None], last_feature, state.features[:, 0])),
-            num_unread=jnp.where(holds_last, 1, state.num_unread),
+        read = (count > 0)[:, None]
+        return Eagle3State(
+            cache=kv.append(cache, out.k, out.v, count),
+            hidden=jnp.where(read, jnp.take_along_axis(out.hidden, last, 1)[:, 0], state.hidden),
+            logits=jnp.where(read, jnp.take_along_axis(out.logits, last, 1)[:, 0], state.logits),
         )
 
+    def prefill(self, params, state: Eagle3State, chunk: PrefillChunk) -> Eagle3State:
+        # Entry t reads the token at t + 1; the prefill stops before the pending token, so it is known.
+        rows = jnp.arange(chunk.tokens.shape[0])[:, None]
+        next_tokens = chunk.history[rows, jnp.minimum(chunk.positions + 1, chunk.history.shape[1] - 1)]  # [B, C]
+        return self._read(params, state, chunk.features, next_tokens, chunk.num_valid)
+
+    def update(self, params, state: Eagle3State, ctx, proposal, commit: Commit, features) -> Eagle3State:
+        # The accepted path's entries, with the target's true features; the last one reads the new pending token.
+        path_features = jnp.take_along_axis(features, commit.path[:, :, None], 1)  # [B, D + 1, F]
+        return self._read(params, state, path_features, jnp.maximum(commit.emitted, 0), commit.num_committed)
+
     def propose(self, params, state: Eagle3State, key, ctx: StepContext, sampling):
-        state, hidden, logits = self.read_unread(params, state, ctx)
-        return state, self.draft(params, state.cache, hidden, logits, ctx)
+        return state, self.draft(params, state, ctx)
 
-    def read_unread(self, params, state: Eagle3State, ctx: StepContext) -> tuple[Eagle3State, jax.Array, jax.Array]:
-        """Commit the entries accepted since the last proposal to the head's cache.
-
-        Returns the state and the head output at the newest entry: h [B, H], logits [B, Vd].
-        """
-        width = self.depth + 1
-        # The newest entry's next token is the pending token.
-        slot = jnp.arange(width)[None, :]
-        next_tokens = jnp.where(slot == state.num_unread[:, None] - 1, ctx.pending[:, None], state.next_tokens)
-        cache, hidden, logits = self._read(params, state.cache, state.features, next_tokens, state.num_unread)
-        return state.replace(cache=cache), hidden, logits
-
-    def draft(self, params, cache: kv.KVCache, hidden: jax.Array, logits: jax.Array, ctx: StepContext) -> Proposal:
-        """The EAGLE-2 tree (a chain for top_k 1) grown from the newest entry's h [B, H] and logits [B, Vd]."""
+    def draft(self, params, state: Eagle3State, ctx: StepContext) -> Proposal:
+        """The EAGLE-2 tree (a chain for top_k 1) grown from the newest entry's output."""
+        cache, hidden, logits = state.cache, state.hidden, state.logits  # [B, H], [B, Vd]
         batch = ctx.pending.shape[0]
         k = self.top_k
         # Pool of candidates, level by level: draft ids, parent pool index (-1: root), score, depth.
@@ -217,15 +212,6 @@ class Eagle3Drafter(Drafter):
         tokens = eagle3.draft_to_target(jnp.take_along_axis(ids, kept, 1), params["d2t"])
         return Proposal(tree=tree, tokens=jnp.concatenate([ctx.pending[:, None], tokens], 1))
 
-    def update(self, params, state: Eagle3State, ctx: StepContext, proposal: Proposal, verdict, features):
-        path = verdict.path  # [B, D + 1]
-        path_tokens = jnp.take_along_axis(proposal.tokens, path, 1)  # [B, D + 1]
-        return state.replace(
-            features=jnp.take_along_axis(features, path[:, :, None], 1),
-            next_tokens=jnp.concatenate([path_tokens[:, 1:], path_tokens[:, :1]], 1),
-            num_unread=jnp.where(ctx.active, verdict.accepted + 1, 0),
-        )
-
 
 def _fed_mask(fed_parents: jax.Array, max_depth: int) -> jax.Array:
     """[B, M] parent index among fed nodes (-1: the entry they hang from) -> [B, M, M] mask.
@@ -235,3 +221,29 @@ def _fed_mask(fed_parents: jax.Array, max_depth: int) -> jax.Array:
     batch = fed_parents.shape[0]
     with_root = jnp.concatenate([jnp.full((batch, 1), -1, jnp.int32), fed_parents + 1], axis=1)
     return ancestor_mask(with_root, max_depth)[:, 1:, 1:]
+
+
+def _build(spec, context) -> Eagle3Drafter:
+    head_config, head_params, vocab = load_eagle3(
+        context.draft_path or default_draft_path(), target_vocab_size=context.target_config.vocab_size, dtype=context.dtype
+    )
+    depth, top_k, nodes = spec.tree or (spec.num_spec, 1, spec.num_spec)
+    return Eagle3Drafter(
+        head_config, head_params, vocab, context.target_params["embed_tokens"], depth=depth, top_k=top_k,
+        tree_nodes=nodes, feature_layers=eagle3.feature_layers(context.target_config.num_layers),
+    )
+
+
+METHOD = Method(
+    "eagle3",
+    "the EAGLE-3 draft head: a chain, or an EAGLE-2 dynamic tree DEPTH,TOPK,NODES",
+    build=_build,
+    num_spec=3,
+    trees=True,
+    draft="an EAGLE-3 draft directory (default: the shipped SmolLM2-135M-Instruct draft)",
+    priors=Priors(
+        alpha={"chat": 0.7, "code": 0.75, "structured": 0.75, "long-form": 0.65, "creative": 0.55},
+        temperature_decay=0.35,
+        draft_cost=0.05,
+    ),
+)

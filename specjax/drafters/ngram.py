@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 
 from specjax import tree as tree_lib
-from specjax.drafters.base import ChainDrafter, Proposal, StepContext
+from specjax.drafters.base import ChainDrafter, Method, Priors, Proposal, StepContext
 from specjax.sampling import SamplingParams
 
 
@@ -47,14 +47,12 @@ def lookup(
 class NgramDrafter(ChainDrafter):
     """Chain of `num_draft` tokens from prompt lookup."""
 
-    def __init__(self, num_draft: int = 5, max_ngram: int = 3, min_ngram: int = 1):
+    def __init__(self, num_draft: int = 5, min_ngram: int = 1, max_ngram: int | None = None):
         super().__init__(num_draft)
+        max_ngram = max(3, min_ngram) if max_ngram is None else max_ngram
         if not 1 <= min_ngram <= max_ngram:
             raise ValueError(f"need 1 <= min_ngram <= max_ngram, got {min_ngram}, {max_ngram}")
         self.max_ngram, self.min_ngram = max_ngram, min_ngram
-
-    def init_state(self, batch_size: int, max_len: int):
-        return ()
 
     def propose(self, params, state, key, ctx: StepContext, sampling: SamplingParams):
         drafts, _ = jax.vmap(lookup, in_axes=(0, 0, None, None, None))(
@@ -63,3 +61,17 @@ class NgramDrafter(ChainDrafter):
         tokens = jnp.concatenate([ctx.pending[:, None], drafts], axis=1)  # [B, N + 1]
         chain = tree_lib.chain(ctx.pending.shape[0], self.num_draft)
         return state, Proposal(tree=chain, tokens=tokens)
+
+
+METHOD = Method(
+    "ngram",
+    "prompt lookup: the continuation of the sequence's latest earlier suffix match (no model)",
+    build=lambda spec, context: NgramDrafter(num_draft=spec.num_spec, min_ngram=spec.min_ngram),
+    num_spec=5,
+    min_ngram=1,
+    priors=Priors(
+        alpha={"chat": 0.25, "code": 0.6, "structured": 0.55, "long-form": 0.2, "creative": 0.1},
+        temperature_decay=0.9,
+        draft_cost=0.0,
+    ),
+)

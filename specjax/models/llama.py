@@ -11,7 +11,7 @@ on a leading L axis so the layer loop is one `lax.scan`:
     layers/q_norm, k_norm [L, D]                            (qk_norm, Qwen3)
 
 `forward` never writes the KV cache: it returns the new block's keys and values, and the caller
-decides what to `kv_cache.write` and `commit` (the decode-step contract in DESIGN.md).
+decides what to `kv_cache.write` and `commit` (the decode-step contract in docs/architecture.md).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Lookup-first drafting: per-row choice between prompt lookup and the EAGLE-3 chain."""
+"""N-gram-first drafting: per-row choice between prompt lookup and a fallback chain drafter."""
 
 from __future__ import annotations
 
@@ -13,8 +13,9 @@ import test_engine_sampling as sampling
 from engine_helpers import eagle3_drafter, tiny_config, tiny_params
 from goodness_of_fit import chi_square_pvalue
 from specjax.drafters.base import StepContext
-from specjax.drafters.lookup_first import LookupFirstDrafter
+from specjax.drafters.draft_model import DraftModelDrafter
 from specjax.drafters.ngram import lookup
+from specjax.drafters.ngram_first import NgramFirst
 from specjax.engine import Engine
 from specjax.sampling import SamplingParams
 
@@ -31,18 +32,18 @@ def test_lookup_reports_the_matched_suffix_size():
 
 
 def test_rows_with_a_long_enough_match_take_the_lookup_chain():
-    drafter = LookupFirstDrafter(eagle3_drafter(CONFIG, PARAMS, depth=3), min_match=3, max_ngram=4)
+    drafter = NgramFirst(eagle3_drafter(CONFIG, PARAMS, depth=3), min_ngram=3, max_ngram=4)
     history = jnp.array(
         [
             [10, 11, 12, 13, 14, 10, 11, 12, 0, 0],  # "10 11 12" occurred before: lookup proposes 13 14 10
-            [10, 11, 12, 13, 14, 20, 11, 12, 0, 0],  # only "11 12" repeats: below min_match, EAGLE-3 chain
+            [10, 11, 12, 13, 14, 20, 11, 12, 0, 0],  # only "11 12" repeats: below min_ngram, EAGLE-3 chain
         ],
         jnp.int32,
     )
     lengths = jnp.array([7, 7], jnp.int32)
     ctx = StepContext(pending=history[:, 7], lengths=lengths, history=history, active=jnp.array([True, True]))
     state = drafter.init_state(2, 16)
-    propose, head_propose = jax.jit(drafter.propose), jax.jit(drafter.head.propose)  # eager would dispatch op by op
+    propose, head_propose = jax.jit(drafter.propose), jax.jit(drafter.fallback.propose)  # eager would dispatch op by op
     _, proposal = propose(drafter.params, state, jax.random.key(0), ctx, SamplingParams.make(2))
     _, head_proposal = head_propose(drafter.params, state, jax.random.key(0), ctx, SamplingParams.make(2))
     tokens = np.asarray(proposal.tokens)
@@ -57,22 +58,29 @@ def test_rows_with_a_long_enough_match_take_the_lookup_chain():
     assert [list(row) for row in np.asarray(proposal.tokens)] == [[12, 13, 14, 10]] * 2
 
 
-def test_needs_an_eagle3_chain():
-    with pytest.raises(ValueError, match="needs an EAGLE-3 chain"):
-        LookupFirstDrafter(eagle3_drafter(CONFIG, PARAMS, depth=3, top_k=2, nodes=4))
-    with pytest.raises(ValueError, match="min_match <= max_ngram"):
-        LookupFirstDrafter(eagle3_drafter(CONFIG, PARAMS, depth=3), min_match=4, max_ngram=2)
+def test_needs_a_chain_drafter():
+    with pytest.raises(ValueError, match="needs a chain drafter"):
+        NgramFirst(eagle3_drafter(CONFIG, PARAMS, depth=3, top_k=2, nodes=4))
+    with pytest.raises(ValueError, match="min_ngram <= max_ngram"):
+        NgramFirst(eagle3_drafter(CONFIG, PARAMS, depth=3), min_ngram=4, max_ngram=2)
 
 
 @functools.cache
-def sampling_engine() -> Engine:
-    """min_match 1 on a 12-token vocabulary: rows switch between lookup and the head every step."""
-    drafter = LookupFirstDrafter(eagle3_drafter(sampling.CONFIG, sampling.PARAMS, depth=2), min_match=1)
-    return Engine(sampling.CONFIG, sampling.PARAMS, drafter, max_len=sampling.MAX_LEN, eos_ids=())
+def sampling_engine(fallback: str) -> Engine:
+    """min_ngram 1 on a 12-token vocabulary: rows switch between lookup and the fallback every step.
+
+    Over the EAGLE-3 chain the point-mass rule verifies; over the sampled draft model the
+    rejection rule, with one-hot draft distributions on looked-up rows."""
+    drafter = {
+        "eagle3": lambda: eagle3_drafter(sampling.CONFIG, sampling.PARAMS, depth=2),
+        "draft": lambda: DraftModelDrafter(sampling.DRAFT_CONFIG, sampling.DRAFT_PARAMS, num_draft=2),
+    }[fallback]()
+    return Engine(sampling.CONFIG, sampling.PARAMS, NgramFirst(drafter, min_ngram=1), max_len=sampling.MAX_LEN, eos_ids=())
 
 
 @pytest.mark.parametrize("setting", sorted(sampling.SETTINGS))
-def test_first_three_tokens_follow_the_target(setting):
-    """The engine-level chi-square check of test_engine_sampling.py, for lookup-first drafting."""
-    samples = sampling.sample_joint(sampling_engine(), sampling.SETTINGS[setting], seed=11)
+@pytest.mark.parametrize("fallback", ["eagle3", "draft"])
+def test_first_three_tokens_follow_the_target(fallback, setting):
+    """The engine-level chi-square check of test_engine_sampling.py, for n-gram-first drafting."""
+    samples = sampling.sample_joint(sampling_engine(fallback), sampling.SETTINGS[setting], seed=11)
     assert chi_square_pvalue(samples, sampling.exact_joint(sampling.SETTINGS[setting])) > 1e-4
