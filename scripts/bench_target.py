@@ -26,6 +26,7 @@ from specjax.checkpoints import default_model_path, gguf, load_model
 from specjax.kv_cache import KVCache
 from specjax.models import llama
 from specjax.tokenizer import Tokenizer
+from specjax.tree import causal_mask
 
 PROMPT_LEN = 64
 TEXT = (
@@ -39,9 +40,9 @@ TEXT = (
 @partial(jax.jit, static_argnames="config")
 def prefill(params, config, tokens, cache):
     num_tokens = tokens.shape[1]
-    mask = jnp.tril(jnp.ones((num_tokens, num_tokens), bool))
+    mask = causal_mask(num_tokens)
     out = llama.forward(params, config, tokens, jnp.arange(num_tokens)[None], cache, mask)
-    cache = kv_cache.commit(kv_cache.write(cache, out.k, out.v), jnp.array([num_tokens]))
+    cache = kv_cache.append(cache, out.k, out.v, jnp.array([num_tokens]))
     return jnp.argmax(out.logits[:, -1], -1).astype(jnp.int32), cache
 
 
@@ -49,7 +50,7 @@ def prefill(params, config, tokens, cache):
 def decode_step(params, config, token, cache):
     """token [1] -> (next greedy token [1], cache with the token committed)."""
     out = llama.forward(params, config, token[:, None], cache.lengths[:, None], cache, jnp.ones((1, 1), bool))
-    cache = kv_cache.commit(kv_cache.write(cache, out.k, out.v), jnp.ones_like(cache.lengths))
+    cache = kv_cache.append(cache, out.k, out.v, jnp.ones_like(cache.lengths))
     return jnp.argmax(out.logits[:, -1], -1).astype(jnp.int32), cache
 
 
@@ -58,7 +59,7 @@ def verify_block(params, config, tokens, cache):
     """One forward over a chain of T new tokens (no commit): the verifier's cost."""
     num_new = tokens.shape[1]
     positions = cache.lengths[:, None] + jnp.arange(num_new)
-    return llama.forward(params, config, tokens, positions, cache, jnp.tril(jnp.ones((num_new, num_new), bool))).logits
+    return llama.forward(params, config, tokens, positions, cache, causal_mask(num_new)).logits
 
 
 def interleaved_medians(runs: dict[str, Callable[[], float]], repeats: int) -> dict[str, float]:

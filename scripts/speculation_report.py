@@ -35,7 +35,7 @@ PROMPT = VOCAB  # the context index of "after the prompt" in the synthetic bigra
 
 # Jitted once per shape (eager calls would compile every primitive separately).
 sample = jax.jit(sampling.sample)
-write, compact, commit = jax.jit(kv_cache.write), jax.jit(kv_cache.compact), jax.jit(kv_cache.commit)
+write, compact, commit, append = (jax.jit(f) for f in (kv_cache.write, kv_cache.compact, kv_cache.commit, kv_cache.append))
 attention_mask = jax.jit(kv_cache.attention_mask, static_argnums=2)
 
 
@@ -256,7 +256,7 @@ def two_sequences(keys, out, steps: int = 3, num_draft: int = 3) -> dict:
     max_len = int(prompt_lengths.max()) + steps * (num_draft + 1) + num_draft + 1
     cache = KVCache.init(num_layers=1, batch_size=2, max_len=max_len, num_kv_heads=1, head_dim=1)
     prompt = np.array([[true_next(row, position) for position in range(max_len)] for row in range(2)])
-    cache = commit(write(cache, *[entries(prompt)] * 2), jnp.asarray(prompt_lengths))
+    cache = append(cache, *[entries(prompt)] * 2, jnp.asarray(prompt_lengths))
     committed = [list(prompt[row, : prompt_lengths[row]]) for row in range(2)]
     pending = np.array([true_next(row, prompt_lengths[row]) for row in range(2)])
     params = SamplingParams.make(2)  # greedy
@@ -328,4 +328,12 @@ def main(samples: int = 50_000, seed: int = 0, out=print) -> dict:
 
 
 if __name__ == "__main__":
-    main()
+    import argparse
+
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False)
+    parser.add_argument("--samples", type=int, default=50_000, help="samples per chi-square check")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+    if args.samples < 1 or args.seed < 0:
+        parser.error("--samples must be >= 1 and --seed >= 0")
+    main(args.samples, args.seed)

@@ -13,6 +13,7 @@ from specjax.drafters.ngram import NgramDrafter
 from specjax.drafters.ngram_first import NgramFirst
 from specjax.models import eagle3, llama
 from specjax.models.config import ModelConfig
+from specjax.tree import causal_mask
 
 
 def tiny_config(vocab_size: int = 96, num_layers: int = 2, hidden_size: int = 32, eos: tuple[int, ...] = ()) -> ModelConfig:
@@ -77,7 +78,7 @@ class OracleTreeDrafter(Drafter):
         truth = []
         for _ in range(self.depth):
             positions = jnp.broadcast_to(jnp.arange(max_len), (batch, max_len))
-            causal = jnp.tril(jnp.ones((max_len, max_len), bool))
+            causal = causal_mask(max_len)
             logits = llama.forward(params, self.config, history, positions, None, causal).logits
             token = jnp.argmax(logits[rows, lengths - 1], -1).astype(jnp.int32)
             truth.append(token)

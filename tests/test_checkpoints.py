@@ -15,6 +15,7 @@ from safetensors.numpy import load_file, save_file
 from specjax.checkpoints import default_model_path, gguf as gguf_loader, hf, load_model
 from specjax.kv_cache import KVCache
 from specjax.models import llama
+from specjax.tree import causal_mask
 
 
 @pytest.fixture(scope="module")
@@ -33,7 +34,7 @@ def logits_of(config, params, tokens: np.ndarray) -> np.ndarray:
     """Prefill logits [1, T, V] of one prompt, no cache."""
     num_tokens = tokens.shape[1]
     positions = jnp.arange(num_tokens)[None]
-    mask = jnp.tril(jnp.ones((num_tokens, num_tokens), bool))
+    mask = causal_mask(num_tokens)
     return np.asarray(llama.forward(params, config, jnp.asarray(tokens), positions, None, mask).logits)
 
 
@@ -137,13 +138,13 @@ def test_smollm2_greedy_continuation_matches_transformers():
     step = jax.jit(llama.forward, static_argnames=("config", "taps", "chunk_size"))
     tokens = jnp.asarray([prompt], jnp.int32)
     num_prompt = len(prompt)
-    out = step(params, config, tokens, jnp.arange(num_prompt)[None], cache, jnp.tril(jnp.ones((num_prompt,) * 2, bool)))
-    cache = kv_cache.commit(kv_cache.write(cache, out.k, out.v), jnp.array([num_prompt]))
+    out = step(params, config, tokens, jnp.arange(num_prompt)[None], cache, causal_mask(num_prompt))
+    cache = kv_cache.append(cache, out.k, out.v, jnp.array([num_prompt]))
     generated = [int(jnp.argmax(out.logits[0, -1]))]
     while len(generated) < 16:
         token = jnp.asarray([[generated[-1]]], jnp.int32)
         out = step(params, config, token, cache.lengths[:, None], cache, jnp.ones((1, 1), bool))
-        cache = kv_cache.commit(kv_cache.write(cache, out.k, out.v), jnp.array([1]))
+        cache = kv_cache.append(cache, out.k, out.v, jnp.array([1]))
         generated.append(int(jnp.argmax(out.logits[0, -1])))
 
     reference = gguf_loader.transformers_model(path)

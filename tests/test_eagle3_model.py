@@ -9,6 +9,7 @@ from specjax import kv_cache
 from specjax.kv_cache import KVCache
 from specjax.models import eagle3
 from specjax.models.config import Llama3RopeScaling
+from specjax.tree import causal_mask
 
 CONFIG = eagle3.Eagle3Config(
     hidden_size=32,
@@ -53,7 +54,7 @@ def test_incremental_decode_matches_block(chunk_size):
     embeddings, features = _inputs(batch, length)
     hidden = eagle3.project_features(params, features)
     positions = jnp.broadcast_to(jnp.arange(length), (batch, length))
-    causal = jnp.tril(jnp.ones((length, length), bool))
+    causal = causal_mask(length)
     full = FORWARD(
         params, CONFIG, embeddings, hidden, positions, _empty_cache(batch, 16), causal
     )
@@ -69,7 +70,7 @@ def test_incremental_decode_matches_block(chunk_size):
         causal[:prefix, :prefix],
         chunk_size=chunk_size,
     )
-    cache = kv_cache.commit(kv_cache.write(cache, out.k, out.v), jnp.full((batch,), prefix))
+    cache = kv_cache.append(cache, out.k, out.v, jnp.full((batch,), prefix))
     logits = [out.logits]
     for t in range(prefix, length):
         step = FORWARD(
@@ -82,7 +83,7 @@ def test_incremental_decode_matches_block(chunk_size):
             jnp.ones((1, 1), bool),
             chunk_size=chunk_size,
         )
-        cache = kv_cache.commit(kv_cache.write(cache, step.k, step.v), jnp.ones((batch,), jnp.int32))
+        cache = kv_cache.append(cache, step.k, step.v, jnp.ones((batch,), jnp.int32))
         logits.append(step.logits)
     np.testing.assert_allclose(jnp.concatenate(logits, 1), full.logits, atol=1e-5)
     assert full.logits.shape == (batch, length, CONFIG.draft_vocab_size)
@@ -99,7 +100,7 @@ def test_cache_rows_of_different_lengths_ignore_stale_slots():
     cache = _empty_cache(2, 8)
     out = FORWARD(
         params, CONFIG, embeddings[:, :5], hidden[:, :5], positions[:, :5], cache,
-        jnp.tril(jnp.ones((5, 5), bool)),
+        causal_mask(5),
     )
     cache = kv_cache.write(cache, out.k, out.v).replace(lengths=jnp.array([5, 3]))
     noisy = cache.replace(k=cache.k.at[:, 1, 3:].set(100.0), v=cache.v.at[:, 1, 3:].set(-100.0))

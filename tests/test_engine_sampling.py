@@ -25,6 +25,7 @@ from specjax.drafters.draft_model import DraftModelDrafter
 from specjax.engine import Engine
 from specjax.models import llama
 from specjax.sampling import SamplingParams, probs
+from specjax.tree import causal_mask
 from goodness_of_fit import chi_square_pvalue
 
 VOCAB = 12
@@ -43,7 +44,7 @@ def exact_joint(setting: dict) -> np.ndarray:
     sequences = np.array([PROMPT + list(t) for t in itertools.product(range(VOCAB), repeat=2)], np.int32)
     length = sequences.shape[1]
     positions = jnp.broadcast_to(jnp.arange(length), sequences.shape)
-    logits = llama.forward(PARAMS, CONFIG, jnp.asarray(sequences), positions, None, jnp.tril(jnp.ones((length, length), bool))).logits
+    logits = llama.forward(PARAMS, CONFIG, jnp.asarray(sequences), positions, None, causal_mask(length)).logits
     q = np.asarray(probs(logits, SamplingParams.make(len(sequences), **setting)), np.float64)  # [V*V, T, V]
     p = len(PROMPT)
     q1 = q[0, p - 1]  # [V]

@@ -16,6 +16,7 @@ from specjax import kv_cache, verify
 from specjax.kv_cache import KVCache
 from specjax.sampling import SamplingParams
 from specjax.tree import Tree
+from specjax.tree import causal_mask
 
 LAYERS, HEADS, HEAD_DIM = 2, 1, 2
 
@@ -90,7 +91,7 @@ def test_tree_path_compaction_moves_the_right_entries():
 def test_stale_entries_are_never_visible():
     lengths = jnp.asarray([0, 3, 9])
     max_len, block = 12, 3
-    causal = jnp.tril(jnp.ones((block, block), bool))
+    causal = causal_mask(block)
     mask = np.asarray(attention_mask(lengths, causal, max_len))  # [B, T, S]
     for row, length in enumerate(np.asarray(lengths)):
         np.testing.assert_array_equal(mask[row, :, :length], True)  # the committed prefix

@@ -12,6 +12,7 @@ from specjax import kv_cache
 from specjax.kv_cache import KVCache
 from specjax.models import llama, sharding
 from specjax.models.config import ModelConfig
+from specjax.tree import causal_mask
 
 CONFIG = ModelConfig(
     vocab_size=128,
@@ -40,8 +41,8 @@ def prefill_then_decode(params, cache: KVCache, prompt: jax.Array, next_tokens: 
     def run(params, cache):
         num_tokens = prompt.shape[1]
         positions = jnp.broadcast_to(jnp.arange(num_tokens), prompt.shape)
-        out = llama.forward(params, CONFIG, prompt, positions, cache, jnp.tril(jnp.ones((num_tokens,) * 2, bool)))
-        cache = kv_cache.commit(kv_cache.write(cache, out.k, out.v), jnp.full((2,), num_tokens))
+        out = llama.forward(params, CONFIG, prompt, positions, cache, causal_mask(num_tokens))
+        cache = kv_cache.append(cache, out.k, out.v, jnp.full((2,), num_tokens))
         step = llama.forward(params, CONFIG, next_tokens, cache.lengths[:, None], cache, jnp.ones((1, 1), bool), chunk_size=8)
         return out.logits, step.logits
 
