@@ -45,7 +45,7 @@ class DecodeState:
     max_new: jax.Array  # [B] the row's limit of new tokens
     active: jax.Array  # [B] bool, rows still generating
     drafter_state: object
-    key: jax.Array
+    keys: jax.Array  # [B] each row's random stream; step k of row b uses fold_in(keys[b], k)
     step: jax.Array  # [] decode steps taken
     accepted_hist: jax.Array  # [B, D + 1] verifier calls per accepted-draft count
 
@@ -123,10 +123,11 @@ class Engine:
             params, self.config, tokens, positions, cache, block_mask, taps=self.drafter.taps, chunk_size=self.attention_chunk
         )
 
-    def _reset(self, state: DecodeState, rows, history, prompt_lengths, max_new) -> DecodeState:
+    def _reset(self, state: DecodeState, rows, history, prompt_lengths, max_new, seed, streams) -> DecodeState:
         """Empty the slots rows [B] (bool) for new prompts (history [B, S], lengths and limits [B]).
 
-        Their pending token is the prompt's last; they stay inactive until `admit` has prefilled them.
+        Their pending token is the prompt's last; they stay inactive until `admit` has prefilled
+        them. Row b's random stream is fold_in(key(seed), streams[b]).
         """
         pick = lambda new, old: jnp.where(rows.reshape(rows.shape + (1,) * (old.ndim - 1)), new, old)
         last = jnp.take_along_axis(history, jnp.maximum(prompt_lengths - 1, 0)[:, None], 1)[:, 0]
@@ -139,6 +140,7 @@ class Engine:
             max_new=pick(max_new, state.max_new),
             active=pick(False, state.active),
             drafter_state=self.drafter.reset_rows(state.drafter_state, rows),
+            keys=pick(jax.vmap(jax.random.fold_in, (None, 0))(jax.random.key(seed), streams), state.keys),
             accepted_hist=pick(0, state.accepted_hist),
         )
 
@@ -161,8 +163,10 @@ class Engine:
         raise ValueError(f"unknown verification rule {proposal.rule!r}")
 
     def _step(self, params, drafter_params, state: DecodeState, sampling) -> DecodeState:
-        key = jax.random.fold_in(state.key, state.step)
-        draft_key, verify_key = jax.random.split(key)
+        # Per-row keys, advanced by the row's own verifier calls: a row's draws do not depend on
+        # its slot, its batch or the step at which it was admitted.
+        keys = jax.vmap(jax.random.fold_in)(state.keys, state.accepted_hist.sum(-1))  # [B]
+        draft_key, verify_key = jax.vmap(jax.random.split, out_axes=1)(keys)  # [B] each
         cache = state.cache
         ctx = StepContext(pending=state.pending, lengths=cache.lengths, history=state.history, active=state.active)
 
@@ -215,7 +219,7 @@ class Engine:
 
     # ----------------------------------------------------------------- state API
 
-    def init_state(self, batch_size: int, seed: int = 0) -> DecodeState:
+    def init_state(self, batch_size: int) -> DecodeState:
         """An empty batch of `batch_size` slots, every row inactive."""
         c = self.config
         dtype = jax.tree.leaves(self.params)[0].dtype
@@ -229,18 +233,26 @@ class Engine:
             max_new=zeros(),
             active=jnp.zeros((batch_size,), bool),
             drafter_state=self.drafter.init_state(batch_size, self.max_len),
-            key=jax.random.key(seed),
+            keys=jax.random.split(jax.random.key(0), batch_size),  # replaced by `admit`
             step=jnp.zeros((), jnp.int32),
             accepted_hist=jnp.zeros((batch_size, self.max_depth + 1), jnp.int32),
         )
 
     def admit(
-        self, state: DecodeState, rows: Sequence[int], prompts: list[list[int]], max_new_tokens, drafter_params=None
+        self,
+        state: DecodeState,
+        rows: Sequence[int],
+        prompts: list[list[int]],
+        max_new_tokens,
+        seed: int = 0,
+        drafter_params=None,
     ) -> DecodeState:
         """Put `prompts` into the slots `rows` of a (possibly running) batch and prefill them.
 
-        The other rows keep their state and resume with the next `decode`. Prompts and limits
-        are checked first (ValueError naming the problem).
+        The other rows keep their state and resume with the next `decode`. Prompt i draws from
+        the random stream (seed, i), wherever it sits: admitted alone with seed s, a prompt
+        samples what `generate([prompt], seed=s)` samples. Prompts and limits are checked first
+        (ValueError naming the problem).
         """
         batch = state.pending.shape[0]
         max_new = np.broadcast_to(np.asarray(max_new_tokens, np.int32), (len(prompts),))
@@ -251,11 +263,13 @@ class Engine:
         selected = np.zeros(batch, bool)
         history = np.zeros((batch, self.max_len), np.int32)  # [B, S] the new prompts, zero-padded
         lengths = np.zeros(batch, np.int32)  # [B] prompt lengths of the admitted rows
-        limits = np.zeros(batch, np.int32)
-        for row, prompt, limit in zip(rows, prompts, max_new):
-            selected[row], lengths[row], limits[row] = True, len(prompt), limit
+        limits, streams = np.zeros(batch, np.int32), np.zeros(batch, np.int32)
+        for index, (row, prompt, limit) in enumerate(zip(rows, prompts, max_new)):
+            selected[row], lengths[row], limits[row], streams[row] = True, len(prompt), limit, index
             history[row, : len(prompt)] = prompt
-        state = self._reset_jit(state, jnp.asarray(selected), jnp.asarray(history), jnp.asarray(lengths), jnp.asarray(limits))
+        state = self._reset_jit(
+            state, *map(jnp.asarray, (selected, history, lengths, limits)), jnp.uint32(seed), jnp.asarray(streams)
+        )
         chunk, prefill_lengths = self.prefill_chunk, np.maximum(lengths - 1, 0)  # the last prompt token is pending
         history_dev = jnp.asarray(history)
         for start in range(0, int(prefill_lengths.max()), chunk):
@@ -346,7 +360,7 @@ class Engine:
         if steps_per_sync is not None and steps_per_sync < 1:
             raise ValueError(f"steps_per_sync must be >= 1, got {steps_per_sync}")
         t0 = time.perf_counter()
-        state = self.admit(self.init_state(len(prompts), seed), range(len(prompts)), prompts, max_new, drafter_params)
+        state = self.admit(self.init_state(len(prompts)), range(len(prompts)), prompts, max_new, seed, drafter_params)
         state.pending.block_until_ready()
         t1 = time.perf_counter()
         max_steps = int(max_new.max())  # every step emits at least one token
@@ -372,7 +386,7 @@ class Engine:
         """
         sampling, max_new = self.validate(prompts, sampling, self.max_len - max(map(len, prompts)) - self.num_nodes)
         batch = len(prompts)
-        state = self.admit(self.init_state(batch, seed), range(batch), prompts, max_new)
+        state = self.admit(self.init_state(batch), range(batch), prompts, max_new, seed)
 
         def target_over(params, state, num_nodes):
             chain = tree_lib.chain(batch, num_nodes - 1)
@@ -382,7 +396,8 @@ class Engine:
 
         def draft(params, drafter_params, state):
             ctx = StepContext(state.pending, state.cache.lengths, state.history, state.active)
-            return self.drafter.propose(drafter_params, state.drafter_state, jax.random.key(0), ctx, sampling)[1].tokens
+            keys = jax.random.split(jax.random.key(0), batch)
+            return self.drafter.propose(drafter_params, state.drafter_state, keys, ctx, sampling)[1].tokens
 
         pieces = {
             "decode": (jax.jit(target_over, static_argnums=2), (self.params, state, 1)),

@@ -113,5 +113,9 @@ def probs(logits: jax.Array, params: SamplingParams) -> jax.Array:
 
 
 def sample(key: jax.Array, probabilities: jax.Array) -> jax.Array:
-    """Draw one token per distribution: [..., V] -> [...] int32. Zero-probability tokens never appear."""
+    """Draw one token per distribution: [..., V] -> [...] int32. Zero-probability tokens never appear.
+
+    key: one key, or [B] per-row keys for probabilities [B, ..., V]."""
+    if key.ndim:
+        return jax.vmap(sample)(key, probabilities)
     return jax.random.categorical(key, jnp.log(probabilities), axis=-1).astype(jnp.int32)

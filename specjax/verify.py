@@ -67,6 +67,11 @@ def _row_noise(key: jax.Array, num_tests: int, vocab: int) -> tuple[jax.Array, j
     return uniform[:num_tests], -jnp.log(-jnp.log(uniform[num_tests:]))
 
 
+def row_keys(key: jax.Array, batch_size: int) -> jax.Array:
+    """[B] keys: a batch of per-row keys as given, or a single key split into one per row."""
+    return key if key.ndim else jax.random.split(key, batch_size)
+
+
 def _draw(gumbel: jax.Array, probabilities: jax.Array) -> jax.Array:
     """Gumbel-max: argmax(log p + gumbel) is distributed as p; zero-probability tokens never win."""
     return jnp.argmax(jnp.log(probabilities) + gumbel).astype(jnp.int32)
@@ -117,8 +122,7 @@ def _chain(key, draft_tokens, draft_probs, target_probs, params, residual: Resid
     """`chain` with the residual rule as a parameter (tests swap in wrong rules)."""
     batch_size, num_draft = draft_tokens.shape
     row = functools.partial(_chain_row, residual=residual)
-    keys = jax.random.split(key, batch_size)
-    accepted, next_token = jax.vmap(row)(keys, draft_tokens, draft_probs, target_probs, params.greedy)
+    accepted, next_token = jax.vmap(row)(row_keys(key, batch_size), draft_tokens, draft_probs, target_probs, params.greedy)
     positions = jnp.arange(num_draft + 1, dtype=jnp.int32)
     return Verdict(
         accepted=accepted,
@@ -138,6 +142,7 @@ def chain(
 ) -> Verdict:
     """Verify a chain of N drafts per row by speculative (rejection) sampling.
 
+    key:          one key, or [B] per-row keys (each row's randomness then is its own).
     draft_tokens: [B, N] int, drawn one by one from draft_probs.
     draft_probs:  [B, N, V], the exact distribution each draft was drawn from (one-hot for a
                   deterministic drafter).
@@ -205,9 +210,8 @@ def _tree_row(
 def _tree(key, tree, node_tokens, target_probs, params, residual: Residual) -> Verdict:
     """`tree` with the residual rule as a parameter (tests swap in wrong rules)."""
     row = functools.partial(_tree_row, max_depth=tree.max_depth, residual=residual)
-    keys = jax.random.split(key, node_tokens.shape[0])
     accepted, next_token, path = jax.vmap(row)(
-        keys, tree.parents, tree.depths, tree.ancestor_mask(), node_tokens, target_probs, params.greedy
+        row_keys(key, node_tokens.shape[0]), tree.parents, tree.depths, tree.ancestor_mask(), node_tokens, target_probs, params.greedy
     )
     return Verdict(
         accepted=accepted,
@@ -227,6 +231,7 @@ def tree(
 ) -> Verdict:
     """Verify a tree of deterministic candidates per row by the point-mass rule.
 
+    key:          one key, or [B] per-row keys.
     tree:         topology; node 0 is the root (the pending token), siblings in try order.
                   tree.max_depth may exceed a row's deepest node (per-row topologies);
                   path and accepted_at are sized by it.

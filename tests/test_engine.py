@@ -138,6 +138,19 @@ def test_a_finished_slot_takes_a_new_prompt(method, autoregressive):
         engine.admit(state, [2], [PROMPTS[0]], 4)
 
 
+@pytest.mark.parametrize("method", ["draft-random", "eagle3-tree"])
+def test_a_row_samples_the_same_wherever_it_sits(method):
+    """Per-row random streams: (seed, index in its admission) fixes a row's samples."""
+    engine, hot = engine_for(method), lambda batch: SamplingParams.make(batch, temperature=1.0)
+    alone = engine.generate(PROMPTS[:1], hot(1), max_new_tokens=24, seed=5).tokens[0]
+    assert engine.generate(PROMPTS[:2], hot(2), max_new_tokens=24, seed=5).tokens[0] == alone
+    state = engine.admit(engine.init_state(2), [0], PROMPTS[1:2], 24, seed=9)
+    state = engine.decode(state, hot(2), 3)
+    state = engine.admit(state, [1], PROMPTS[:1], 24, seed=5)  # joins a running batch, in slot 1
+    assert engine.outputs(engine.decode(state, hot(2), 100))[1] == alone
+    assert engine.generate(PROMPTS[:1], hot(1), max_new_tokens=24, seed=6).tokens[0] != alone
+
+
 def test_streaming_matches_one_shot():
     engine = engine_for("ngram")
     seen = []

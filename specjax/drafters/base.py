@@ -153,7 +153,7 @@ class Drafter(abc.ABC):
     def propose(
         self, params, state: DrafterState, key: jax.Array, ctx: StepContext, sampling: SamplingParams
     ) -> tuple[DrafterState, Proposal]:
-        """Draft a tree below ctx.pending."""
+        """Draft a tree below ctx.pending; key holds [B] per-row keys (a row samples with its own)."""
 
     def update(
         self,

@@ -75,7 +75,7 @@ class DraftModelDrafter(ChainDrafter):
             cache = kv.append(cache, k, v, jnp.ones_like(cache.lengths))
             return (cache, sampling_lib.probs(logits[:, 0], sampling)), (token, probs)
 
-        keys = jax.random.split(key, self.num_draft)
+        keys = jax.vmap(jax.random.split, (0, None), 1)(key, self.num_draft)  # [N, B]: per-row keys
         # The last draft needs no forward of its own; scan over num_draft - 1 and sample it after.
         (cache, last_probs), (tokens, probs_seq) = jax.lax.scan(draft_one, (cache, probs), keys[:-1])
         last_token = sampling_lib.sample(keys[-1], last_probs)
