@@ -255,6 +255,8 @@ class Engine:
         (ValueError naming the problem).
         """
         batch = state.pending.shape[0]
+        if not 0 <= seed < 2**32:
+            raise ValueError(f"seed must be in [0, 2**32), got {seed}")
         max_new = np.broadcast_to(np.asarray(max_new_tokens, np.int32), (len(prompts),))
         self._check_prompts(prompts, max_new)
         if len(rows) != len(prompts) or len(set(rows)) != len(rows) or not all(0 <= r < batch for r in rows):
@@ -321,6 +323,7 @@ class Engine:
         sampling = sampling or sampling_lib.SamplingParams.make(batch)
         if sampling.batch_size != batch:
             raise ValueError(f"sampling params are for {sampling.batch_size} rows, got {batch} prompts")
+        sampling.check()
         max_new = np.broadcast_to(np.asarray(max_new_tokens, np.int32), (batch,))
         self._check_prompts(prompts, max_new)
         return sampling, max_new

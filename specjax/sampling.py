@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import struct
 
 
@@ -37,21 +38,29 @@ class SamplingParams:
         min_p: float = 0.0,
     ) -> SamplingParams:
         """The same parameters for every row, validated."""
-        if not 0 <= temperature < float("inf"):  # NaN fails every comparison
-            raise ValueError(f"temperature must be a finite number >= 0, got {temperature}")
-        if top_k < 0:
-            raise ValueError(f"top_k must be >= 0 (0 disables), got {top_k}")
-        if not 0.0 < top_p <= 1.0:  # also refuses NaN
-            raise ValueError(f"top_p must be in (0, 1], got {top_p}")
-        if not 0.0 <= min_p < 1.0:
-            raise ValueError(f"min_p must be in [0, 1), got {min_p}")
         full = lambda value, dtype: jnp.full((batch_size,), value, dtype)
-        return cls(
+        params = cls(
             temperature=full(temperature, jnp.float32),
             top_k=full(top_k, jnp.int32),
             top_p=full(top_p, jnp.float32),
             min_p=full(min_p, jnp.float32),
         )
+        params.check()
+        return params
+
+    def check(self) -> None:
+        """ValueError naming the first row and field out of range (NaN included)."""
+        rules = {
+            "temperature": (lambda x: (x >= 0) & (x < np.inf), "a finite number >= 0 (0 = greedy)"),
+            "top_k": (lambda x: x >= 0, ">= 0 (0 disables)"),
+            "top_p": (lambda x: (x > 0) & (x <= 1), "in (0, 1]"),
+            "min_p": (lambda x: (x >= 0) & (x < 1), "in [0, 1)"),
+        }
+        for name, (valid, expected) in rules.items():
+            values = np.asarray(getattr(self, name))
+            bad = np.flatnonzero(~valid(values))
+            if bad.size:
+                raise ValueError(f"{name} must be {expected}; row {bad[0]} has {values[bad[0]]}")
 
     @classmethod
     def stack(cls, rows: list[SamplingParams]) -> SamplingParams:

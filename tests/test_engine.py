@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -98,6 +99,15 @@ def test_bad_inputs_are_named():
         engine.generate([[CONFIG.vocab_size]])
     with pytest.raises(ValueError, match="sampling params are for 2 rows"):
         engine.generate([[1]], SamplingParams.make(2))
+    direct = SamplingParams.make(2)  # built field by field, as a server does: checked all the same
+    with pytest.raises(ValueError, match="top_p must be in \\(0, 1\\]; row 1 has 0.0"):
+        engine.generate([[1], [2]], direct.replace(top_p=jnp.array([1.0, 0.0])))
+    with pytest.raises(ValueError, match="temperature must be a finite number >= 0 \\(0 = greedy\\); row 0 has nan"):
+        engine.generate([[1], [2]], direct.replace(temperature=jnp.array([np.nan, 1.0])))
+    with pytest.raises(ValueError, match="temperature must be a finite number"):
+        SamplingParams.make(1, temperature=float("nan"))
+    with pytest.raises(ValueError, match=r"seed must be in \[0, 2\*\*32\)"):
+        engine.generate([[1]], seed=2**32)
     other = tiny_config(vocab_size=CONFIG.vocab_size + 1, num_layers=1, hidden_size=16)
     with pytest.raises(ValueError, match="vocabulary"):
         Engine(CONFIG, PARAMS, DraftModelDrafter(other, tiny_params(other, 1)), max_len=MAX_LEN)
