@@ -35,9 +35,7 @@ def reference(tokenizer, messages):
     messages = [dict(m) for m in messages]
     for turn, message in enumerate(messages):
         if message["role"] == "assistant":
-            ids = tokenizer.apply_chat_template(messages[:turn], tokenize=True, add_generation_prompt=True)
-            ids = list(ids["input_ids"] if hasattr(ids, "keys") else ids)
-            tokens = engine.generate([ids], max_new_tokens=MAX_NEW).tokens[0]
+            tokens = engine.generate([distill.prompt_ids(tokenizer, messages[:turn])], max_new_tokens=MAX_NEW).tokens[0]
             message["content"] = tokenizer.decode([t for t in tokens if t != END])
     last = max((t for t, m in enumerate(messages) if m["role"] == "assistant"), default=-1)
     return messages[: last + 1]

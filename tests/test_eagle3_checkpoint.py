@@ -171,8 +171,9 @@ def _edit_checkpoint(path, edit):
         (lambda t: t.update(extra=np.zeros(3, np.float32)), "extra"),
         (lambda t: t.update({"fc.weight": np.zeros((32, 64), np.float32)}), "fc.weight"),
         (lambda t: t.update(t2d=np.zeros(50, np.bool_)), "d2t and t2d"),
+        (lambda t: t["midlayer.mlp.up_proj.weight"].__setitem__((3, 1), np.inf), "'midlayer.mlp.up_proj.weight' holds non-finite"),
     ],
-    ids=["missing", "unexpected", "misshaped", "inconsistent-vocab"],
+    ids=["missing", "unexpected", "misshaped", "inconsistent-vocab", "non-finite"],
 )
 def test_bad_tensors_are_named(tmp_path, edit, message):
     _edit_checkpoint(tmp_path, edit)

@@ -17,7 +17,7 @@ from specjax.engine import Engine
 from specjax.kv_cache import KVCache
 from specjax.models import eagle3, llama
 from specjax.models.config import ModelConfig
-from train import data, trainer, ttt
+from train import core, data, eagle3_method, ttt
 from train.config import load_config, make_config, parse_overrides
 
 TARGET = ModelConfig(
@@ -192,16 +192,14 @@ def _setup(tmp_path, mesh_devices=1, **overrides):
     mask[:, 4:] = True
     rows = data.TokenRows(tokens, mask)
     vocab_ids = data.draft_vocab_ids(rows.subset(slice(0, 20)), 24, TARGET.vocab_size)
-    return trainer.Setup(
+    vocab = eagle3.DraftVocab.from_target_ids(jnp.asarray(vocab_ids), TARGET.vocab_size)
+    return core.Setup(
         config=config,
-        target_config=TARGET,
-        target_params=target_params,
-        draft_config=DRAFT,
-        vocab=eagle3.DraftVocab.from_target_ids(jnp.asarray(vocab_ids), TARGET.vocab_size),
+        method=eagle3_method.Eagle3Method(config, TARGET, target_params, vocab),
         train_rows=rows.subset(slice(0, 20)),
         eval_rows=rows.subset(slice(20, None)),
         offline=None,
-        mesh=trainer.make_mesh(mesh_devices),
+        mesh=core.make_mesh(mesh_devices),
     )
 
 
@@ -209,15 +207,15 @@ def _setup(tmp_path, mesh_devices=1, **overrides):
 def full_run(tmp_path_factory):
     """6 updates of 2 accumulated micro-batches, uninterrupted."""
     setup = _setup(tmp_path_factory.mktemp("full"))
-    state, records = trainer.train(setup)
+    state, records = core.train(setup)
     return setup, state, records
 
 
 def test_resume_is_exact(tmp_path, full_run):
     setup, _, full_records = full_run
-    _, first_half = trainer.train(_setup(tmp_path), stop_at=3)
+    _, first_half = core.train(_setup(tmp_path), stop_at=3)
     assert [r["update"] for r in first_half] == [1, 2, 3]
-    _, second_half = trainer.train(_setup(tmp_path))
+    _, second_half = core.train(_setup(tmp_path))
     assert [r["update"] for r in second_half] == [4, 5, 6]
     assert [r["total"] for r in first_half + second_half] == [r["total"] for r in full_records]
     metrics = [json.loads(line) for line in (Path(setup.config.output_dir) / "metrics.jsonl").read_text().splitlines()]
@@ -228,10 +226,10 @@ def test_loss_decreases_and_export_loads(full_run):
     setup, state, records = full_run
     totals = [r["total"] for r in records]
     assert np.all(np.diff(totals) < 0) and totals[-1] < 0.92 * totals[0], totals
-    path = trainer.export(setup, state.params)
+    path = core.export(setup, state.params)
     config, params, vocab = load_eagle3(path, target_vocab_size=TARGET.vocab_size)
     assert config == DRAFT
-    np.testing.assert_array_equal(vocab.t2d, setup.vocab.t2d)
+    np.testing.assert_array_equal(vocab.t2d, setup.method.vocab.t2d)
     np.testing.assert_allclose(params["fc"], state.params["fc"], rtol=1e-2, atol=1e-3)  # bfloat16 export
 
 
@@ -240,10 +238,10 @@ def test_data_parallel_step_matches_single_device(tmp_path):
     results = []
     for devices in (1, 4):
         setup = _setup(tmp_path / str(devices), mesh_devices=devices)
-        state = trainer.init_state(setup)
-        batch = trainer.get_batch(setup, setup.train_rows, np.arange(4))
+        state = core.init_state(setup)
+        batch = core.get_batch(setup, setup.train_rows, np.arange(4))
         assert batch["tokens"].sharding.shard_shape(batch["tokens"].shape) == (4 // devices, 16)
-        state, stats = trainer.train_step(state, setup.target_params, setup.vocab, batch, **trainer.step_kwargs(setup))
+        state, stats = core.train_step(state, setup.frozen, batch, **core.step_kwargs(setup))
         results.append(jax.device_get((state.params, stats)))
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6), *results)
 
@@ -255,34 +253,30 @@ def test_offline_features_match_online(tmp_path):
         np.concatenate([setup.train_rows.tokens, setup.eval_rows.tokens]),
         np.concatenate([setup.train_rows.loss_mask, setup.eval_rows.loss_mask]),
     )
-    trainer.precompute_features(setup.target_params, TARGET, setup.vocab, rows, tmp_path / "features", 8)
-    offline = dataclasses.replace(
-        setup,
-        config=dataclasses.replace(setup.config, features="offline"),
-        offline=data.OfflineFeatures.open(tmp_path / "features", len(rows)),
-    )
-    state = trainer.init_state(setup)
-    online_eval = trainer.evaluate(setup, state.params)
-    offline_eval = trainer.evaluate(offline, state.params)
+    features = core.offline_features(setup.method, rows, tmp_path / "features", 8, key="k")
+    offline = dataclasses.replace(setup, offline=features)
+    state = core.init_state(setup)
+    online_eval = core.evaluate(setup, state.params)
+    offline_eval = core.evaluate(offline, state.params)
     np.testing.assert_allclose(online_eval["loss"], offline_eval["loss"], rtol=2e-2)
     np.testing.assert_allclose(online_eval["acc"], offline_eval["acc"], atol=0.05)
 
 
 def test_bfloat16_compute_keeps_float32_master_weights(tmp_path):
     setup = _setup(tmp_path, compute_dtype="bfloat16")
-    state = trainer.init_state(setup)
-    batch = trainer.get_batch(setup, setup.train_rows, np.arange(4))
-    new_state, stats = trainer.train_step(state, setup.target_params, setup.vocab, batch, **trainer.step_kwargs(setup))
+    state = core.init_state(setup)
+    batch = core.get_batch(setup, setup.train_rows, np.arange(4))
+    new_state, stats = core.train_step(state, setup.frozen, batch, **core.step_kwargs(setup))
     assert all(p.dtype == jnp.float32 for p in jax.tree.leaves(new_state.params))
     assert np.isfinite(stats["total"])
-    f32_stats = trainer.eval_step(state.params, setup.target_params, setup.vocab, batch, **trainer.step_kwargs(_setup(tmp_path)))
+    f32_stats = core.eval_step(state.params, setup.frozen, batch, loss=_setup(tmp_path).method.loss)
     np.testing.assert_allclose(stats["loss"], f32_stats["loss"], rtol=5e-2)
 
 
 def test_engine_tau_evaluation_during_training(tmp_path):
     setup = _setup(tmp_path, tau_eval_every=3, tau_eval_prompts=4, tau_eval_num_spec=3, tau_eval_max_new_tokens=12)
-    evaluate_tau = trainer.tau_evaluator(setup)
-    state, records = trainer.train(setup, evaluate_tau=evaluate_tau)
+    evaluate_tau = setup.method.tau_evaluator(setup.eval_rows)
+    state, records = core.train(setup, evaluate_tau=evaluate_tau)
     evaluated = [r["update"] for r in records if "engine" in r]
     assert evaluated == [3, 6]
     final = records[-1]["engine"]
@@ -290,11 +284,11 @@ def test_engine_tau_evaluation_during_training(tmp_path):
     assert evaluate_tau.engine._decode_jit._cache_size() == 1  # new weights, same compilation
     # The same number from an engine built independently on the trained head.
     drafter = Eagle3Drafter(
-        DRAFT, state.params, setup.vocab, setup.target_params["embed_tokens"], depth=3,
+        DRAFT, state.params, setup.method.vocab, setup.method.target_params["embed_tokens"], depth=3,
         feature_layers=eagle3.feature_layers(TARGET.num_layers),
     )
     prompts = [list(map(int, t[:4])) for t in setup.eval_rows.tokens]
-    stats = Engine(TARGET, setup.target_params, drafter, max_len=64).generate(prompts, max_new_tokens=12)
+    stats = Engine(TARGET, setup.method.target_params, drafter, max_len=64).generate(prompts, max_new_tokens=12)
     assert final["tau"] == round(stats.tau, 4)
     assert stats.calls.sum() > 0
     metrics = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
@@ -303,22 +297,22 @@ def test_engine_tau_evaluation_during_training(tmp_path):
 
 def test_batch_must_split_over_the_data_parallel_devices(tmp_path):
     with pytest.raises(ValueError, match="batch_size 6 must be a multiple of the 4"):
-        trainer.prepare(make_config({"output_dir": str(tmp_path), "batch_size": 6, "data_parallel": 4}))
+        eagle3_method.prepare(make_config({"output_dir": str(tmp_path), "batch_size": 6, "data_parallel": 4}))
     with pytest.raises(ValueError, match="tau_eval_every needs held-out rows"):
         make_config({"tau_eval_every": 10})
 
 
 def test_continue_from_an_exported_draft(tmp_path, full_run):
     setup, state, _ = full_run
-    path = trainer.export(dataclasses.replace(setup, config=dataclasses.replace(setup.config, export_dir=str(tmp_path / "d"))), state.params)
-    params, vocab = trainer.load_initial_draft(str(path), DRAFT, TARGET)
-    np.testing.assert_array_equal(vocab.d2t, setup.vocab.d2t)
-    resumed = trainer.init_state(dataclasses.replace(setup, initial_params=params))
+    path = core.export(dataclasses.replace(setup, config=dataclasses.replace(setup.config, export_dir=str(tmp_path / "d"))), state.params)
+    params, vocab = eagle3_method.load_initial_draft(str(path), DRAFT, TARGET)
+    np.testing.assert_array_equal(vocab.d2t, setup.method.vocab.d2t)
+    resumed = core.init_state(dataclasses.replace(setup, method=dataclasses.replace(setup.method, initial_params=params)))
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-2, atol=1e-3), jax.device_get(resumed.params), jax.device_get(state.params))
     assert int(resumed.micro_step) == 0  # a new run: fresh optimizer and schedule
     other = eagle3.Eagle3Config.from_target(TARGET, draft_vocab_size=32)
     with pytest.raises(ValueError, match=r"draft_vocab_size': \(24, 32\)"):
-        trainer.load_initial_draft(str(path), other, TARGET)
+        eagle3_method.load_initial_draft(str(path), other, TARGET)
 
 
 def test_conversation_files_in_the_usual_shapes(tmp_path):
@@ -340,16 +334,16 @@ def test_conversation_files_in_the_usual_shapes(tmp_path):
 
 def test_continue_with_a_rebuilt_draft_vocabulary(tmp_path, full_run):
     setup, state, _ = full_run
-    path = trainer.export(dataclasses.replace(setup, config=dataclasses.replace(setup.config, export_dir=str(tmp_path / "d"))), state.params)
+    path = core.export(dataclasses.replace(setup, config=dataclasses.replace(setup.config, export_dir=str(tmp_path / "d"))), state.params)
     larger = eagle3.Eagle3Config.from_target(TARGET, draft_vocab_size=32)
-    params, vocab = trainer.load_initial_draft(str(path), larger, TARGET, any_vocab_size=True)
+    params, vocab = eagle3_method.load_initial_draft(str(path), larger, TARGET, any_vocab_size=True)
     with pytest.raises(ValueError, match=r"intermediate_size"):  # only the vocabulary size may differ
-        trainer.load_initial_draft(str(path), dataclasses.replace(larger, intermediate_size=32), TARGET, any_vocab_size=True)
+        eagle3_method.load_initial_draft(str(path), dataclasses.replace(larger, intermediate_size=32), TARGET, any_vocab_size=True)
 
     old_ids = np.asarray(vocab.target_ids)  # [24]
     new_ids = np.sort(np.concatenate([old_ids[::2], np.setdiff1d(np.arange(64), old_ids)[:20]]))  # [32]
-    remapped = trainer.remap_draft_head(params, old_ids, new_ids, setup.target_params, TARGET)
-    head, new_head, target_head = (np.asarray(h) for h in (params["lm_head"], remapped["lm_head"], setup.target_params["lm_head"]))
+    remapped = eagle3_method.remap_draft_head(params, old_ids, new_ids, setup.method.target_params, TARGET)
+    head, new_head, target_head = (np.asarray(h) for h in (params["lm_head"], remapped["lm_head"], setup.method.target_params["lm_head"]))
     assert new_head.shape == (32, 32)
     for column, token in enumerate(new_ids):
         if token in old_ids:  # trained column kept
@@ -364,6 +358,6 @@ def test_continue_with_a_rebuilt_draft_vocabulary(tmp_path, full_run):
     )
     assert all(np.array_equal(remapped[k], params[k]) for k in params if k != "lm_head")
     with pytest.raises(ValueError, match="shares no token"):
-        trainer.remap_draft_head(params, old_ids, np.setdiff1d(np.arange(64), old_ids)[:8], setup.target_params, TARGET)
+        eagle3_method.remap_draft_head(params, old_ids, np.setdiff1d(np.arange(64), old_ids)[:8], setup.method.target_params, TARGET)
     with pytest.raises(ValueError, match="init_vocab must be 'keep' or 'rebuild'"):
         make_config({"init_vocab": "extend"})

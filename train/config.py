@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 import typing
 from pathlib import Path
 from typing import Any
@@ -20,7 +21,8 @@ class TrainConfig:
     data_files: tuple[str, ...] = ()  # json / jsonl / parquet conversations
     output_dir: str = "runs/eagle3"  # orbax checkpoints, vocab, metrics
     export_dir: str = ""  # EAGLE-3 HF layout at the end ("" = output_dir/draft)
-    export_dtype: str = "bfloat16"
+    export_dtype: str = "bfloat16"  # or "float16", "float32"
+    overwrite: bool = False  # export even into a directory holding something other than an EAGLE-3 draft
     init_from: str = ""  # an EAGLE-3 draft directory to continue from
     init_vocab: str = "keep"  # "keep" init_from's draft vocabulary, or "rebuild" it from this run's data
 
@@ -69,14 +71,10 @@ class TrainConfig:
     tau_eval_max_new_tokens: int = 64
 
     def __post_init__(self):
-        if self.features not in ("online", "offline"):
-            raise ValueError(f"features must be 'online' or 'offline', got {self.features!r}")
-        if self.init_vocab not in ("keep", "rebuild"):
-            raise ValueError(f"init_vocab must be 'keep' or 'rebuild', got {self.init_vocab!r}")
-        if self.compute_dtype not in ("float32", "bfloat16"):
-            raise ValueError(f"compute_dtype must be 'float32' or 'bfloat16', got {self.compute_dtype!r}")
-        if self.ttt_length < 1 or self.batch_size < 1 or self.grad_accum_steps < 1:
-            raise ValueError("ttt_length, batch_size and grad_accum_steps must be >= 1")
+        for name, (valid, rule) in _RULES.items():
+            value = getattr(self, name)
+            if not valid(value) or (isinstance(value, float) and not math.isfinite(value)):
+                raise ValueError(f"config key {name} must be {rule}, got {value!r}")
         if self.tau_eval_every and not (self.eval_samples and self.tau_eval_prompts > 0):
             raise ValueError("tau_eval_every needs held-out rows: set eval_samples and tau_eval_prompts > 0")
 
@@ -87,6 +85,26 @@ class TrainConfig:
     @property
     def features_path(self) -> Path:
         return Path(self.features_dir or Path(self.output_dir) / "features")
+
+
+_RULES = {  # field: (valid(value), the rule in words); floats must also be finite
+    **dict.fromkeys(
+        "seq_len draft_vocab_size distill_max_new_tokens distill_batch_size ttt_length batch_size grad_accum_steps "
+        "num_steps checkpoint_every keep_checkpoints log_every tau_eval_num_spec tau_eval_max_new_tokens".split(),
+        (lambda value: value >= 1, ">= 1"),
+    ),
+    **dict.fromkeys(
+        "max_samples eval_samples warmup_steps data_parallel eval_every tau_eval_every tau_eval_prompts "
+        "final_lr_ratio weight_decay distill_temperature".split(),
+        (lambda value: value >= 0, ">= 0"),
+    ),
+    **dict.fromkeys(("learning_rate", "ttt_decay", "grad_clip"), (lambda value: value > 0, "> 0")),
+    **dict.fromkeys(("b1", "b2"), (lambda value: 0 <= value < 1, "in [0, 1)")),
+    "features": (lambda value: value in ("online", "offline"), "'online' or 'offline'"),
+    "init_vocab": (lambda value: value in ("keep", "rebuild"), "'keep' or 'rebuild'"),
+    "compute_dtype": (lambda value: value in ("float32", "bfloat16"), "'float32' or 'bfloat16'"),
+    "export_dtype": (lambda value: value in ("bfloat16", "float16", "float32"), "'bfloat16', 'float16' or 'float32'"),
+}
 
 
 def _coerce(name: str, value: Any) -> Any:
@@ -124,7 +142,12 @@ def load_config(path: str | Path, overrides: dict[str, Any] | None = None) -> Tr
 
 
 def parse_overrides(argv: list[str]) -> dict[str, Any]:
-    """`--key value` pairs (values parsed as YAML, so numbers and lists work) -> dict."""
-    if len(argv) % 2 or not all(arg.startswith("--") for arg in argv[::2]):
-        raise ValueError(f"overrides must be --key value pairs, got {argv}")
-    return {key[2:].replace("-", "_"): yaml.safe_load(value) for key, value in zip(argv[::2], argv[1::2])}
+    """`--key value` pairs (values parsed as YAML, so numbers and lists work) -> dict; a bare `--flag` is true."""
+    overrides, rest = {}, list(argv)
+    while rest:
+        key = rest.pop(0)
+        if not key.startswith("--"):
+            raise ValueError(f"overrides must be --key value pairs or --flag, got {argv}")
+        value = True if not rest or rest[0].startswith("--") else yaml.safe_load(rest.pop(0))
+        overrides[key[2:].replace("-", "_")] = value
+    return overrides

@@ -1,6 +1,6 @@
 """Training data: chat conversations -> fixed-length token rows with a response mask.
 
-Conversations come from local json / jsonl / parquet files (via `datasets`), in any of the
+Conversations come from local json / jsonl / parquet files, in any of the
 usual shapes: `conversations` or `messages` lists of {role, content}, or ShareGPT {from, value}.
 They are rendered with the target's chat template; the loss mask marks the tokens of assistant
 turns (what the template emits for the turn after the generation prompt, end-of-turn included).
@@ -9,6 +9,7 @@ turns (what the template emits for the turn after the generation prompt, end-of-
 from __future__ import annotations
 
 import dataclasses
+import json
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -27,38 +28,69 @@ def load_tokenizer(path: str):
     return AutoTokenizer.from_pretrained(path)
 
 
-def _messages(record: dict[str, Any]) -> list[dict[str, str]]:
+def _messages(record: Any) -> list[dict[str, str]]:
+    if not isinstance(record, dict):
+        raise ValueError(f"a record is a JSON object, got {type(record).__name__}")
     turns = record.get("conversations")
-    if turns is None:  # datasets fills a column missing from a record with None
+    if turns is None:  # parquet fills a column missing from a record with None
         turns = record.get("messages")
-    if turns is None:
-        raise ValueError(f"record has neither 'conversations' nor 'messages': {sorted(record)}")
+    if not isinstance(turns, list):
+        raise ValueError(f"record has neither 'conversations' nor 'messages' (a list of turns): {sorted(record)}")
     messages = []
     for turn in turns:
-        role = _ROLES.get(turn.get("role") or turn.get("from"))
-        if role is None:
-            raise ValueError(f"unknown role in turn {turn}")
-        content = turn.get("content")
-        messages.append({"role": role, "content": turn.get("value") if content is None else content})
+        role = _ROLES.get(turn.get("role") or turn.get("from")) if isinstance(turn, dict) else None
+        content = turn.get("content") if role else None
+        content = turn.get("value") if role and content is None else content
+        if not isinstance(content, str):
+            raise ValueError(f"a turn needs a known role and text content, got {turn!r}")
+        messages.append({"role": role, "content": content})
     return messages
 
 
-def load_conversations(files: tuple[str, ...] | list[str]) -> list[list[dict[str, str]]]:
-    """Every conversation of the files with an assistant turn (nothing to learn otherwise), in file order."""
-    import datasets
+def _parse_json(text: str, where: str) -> Any:
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as error:
+        raise ValueError(f"{where}: not valid JSON ({error})") from None
 
-    by_format: dict[str, list[str]] = {}
-    for file in files:
-        suffix = Path(file).suffix.lstrip(".")
-        kind = {"jsonl": "json", "json": "json", "parquet": "parquet"}.get(suffix)
-        if kind is None:
-            raise ValueError(f"{file}: data files must be .json, .jsonl or .parquet")
-        by_format.setdefault(kind, []).append(str(file))
+
+def _records(file: str) -> list[tuple[str, Any]]:
+    """(where, record) of every record of a .jsonl, .json (a list, or JSON lines) or .parquet file."""
+    path = Path(file)
+    if path.suffix not in (".jsonl", ".json", ".parquet"):
+        raise ValueError(f"{file}: data files must be .json, .jsonl or .parquet")
+    if path.suffix == ".parquet":
+        import pyarrow.parquet
+
+        return [(f"{file} row {i}", r) for i, r in enumerate(pyarrow.parquet.read_table(path).to_pylist())]
+    text = path.read_text()
+    if path.suffix == ".json" and text.lstrip().startswith("["):
+        return [(f"{file} record {i}", r) for i, r in enumerate(_parse_json(text, file))]
+    lines = enumerate(text.splitlines(), 1)
+    return [(f"{file}:{n}", _parse_json(line, f"{file}:{n}")) for n, line in lines if line.strip()]
+
+
+def load_conversations(files: tuple[str, ...] | list[str]) -> list[list[dict[str, str]]]:
+    """Every conversation of the files with an assistant turn (nothing to learn otherwise), in file order.
+
+    A missing, empty or malformed file is an error naming it (and the line or record).
+    """
+    if not files:
+        raise ValueError("no data_files given")
     conversations = []
-    for kind, paths in by_format.items():
-        dataset = datasets.load_dataset(kind, data_files=paths, split="train")
-        conversations += [_messages(record) for record in dataset]
-    return [c for c in conversations if any(m["role"] == "assistant" for m in c)]
+    for file in files:
+        records = _records(file)
+        if not records:
+            raise ValueError(f"data file {file} holds no records")
+        for where, record in records:
+            try:
+                conversations.append(_messages(record))
+            except ValueError as error:
+                raise ValueError(f"{where}: {error}") from None
+    kept = [c for c in conversations if any(m["role"] == "assistant" for m in c)]
+    if not kept:
+        raise ValueError(f"no conversation with an assistant turn in {', '.join(files)}")
+    return kept
 
 
 def tokenize_conversation(tokenizer, messages: list[dict[str, str]]) -> tuple[np.ndarray, np.ndarray]:
@@ -138,29 +170,3 @@ def batch_indices(num_rows: int, batch_size: int, micro_step: int, seed: int) ->
     epoch, index = divmod(micro_step, per_epoch)
     order = np.random.default_rng([seed, epoch]).permutation(num_rows)
     return np.sort(order[index * batch_size : (index + 1) * batch_size])
-
-
-@dataclasses.dataclass(frozen=True)
-class OfflineFeatures:
-    """Precomputed target outputs for every training row, memory-mapped from .npy files."""
-
-    features: np.ndarray  # [N, T, 3H] float16, target hidden states at the feature layers
-    target_logits: np.ndarray  # [N, T, Vd] float16, target logits restricted to the draft vocab
-    in_vocab: np.ndarray  # [N, T] bool, target argmax (full vocab) is in the draft vocab
-
-    FILES = ("features", "target_logits", "in_vocab")
-
-    @classmethod
-    def open(cls, directory: Path, num_rows: int) -> OfflineFeatures:
-        arrays = {name: np.load(directory / f"{name}.npy", mmap_mode="r") for name in cls.FILES}
-        for name, array in arrays.items():
-            if array.shape[0] != num_rows:
-                raise ValueError(f"{directory}/{name}.npy has {array.shape[0]} rows, the data has {num_rows}")
-        return cls(**arrays)
-
-    @staticmethod
-    def exists(directory: Path) -> bool:
-        return all((directory / f"{name}.npy").exists() for name in OfflineFeatures.FILES)
-
-    def batch(self, indices: np.ndarray) -> dict[str, np.ndarray]:
-        return {name: np.asarray(getattr(self, name)[indices]) for name in self.FILES}

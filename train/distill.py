@@ -25,21 +25,15 @@ from specjax.sampling import SamplingParams
 Messages = list[dict[str, str]]
 
 
-def _prompt_ids(tokenizer, messages: Messages) -> list[int]:
+def prompt_ids(tokenizer, messages: Messages) -> list[int]:
+    """The chat-template tokens of messages, ending with the generation prompt of the next assistant turn."""
     ids = tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=True)
     return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
 
 
 def regenerate_chunk(
-    engine: Engine,
-    tokenizer,
-    conversations: list[Messages],
-    *,
-    batch_size: int,
-    max_prompt_tokens: int,
-    max_new_tokens: int,
-    temperature: float,
-    seed: int,
+    engine: Engine, tokenizer, conversations: list[Messages], *, batch_size: int, max_prompt_tokens: int,
+    max_new_tokens: int, temperature: float, seed: int,
 ) -> tuple[list[Messages], int]:
     """Regenerate every assistant turn of up to batch_size conversations, turn by turn.
 
@@ -55,7 +49,7 @@ def regenerate_chunk(
         rows, prompts = [], []
         for i, messages in enumerate(pending):
             if turn < len(messages) and messages[turn]["role"] == "assistant":
-                ids = _prompt_ids(tokenizer, messages[:turn])
+                ids = prompt_ids(tokenizer, messages[:turn])
                 if len(ids) > max_prompt_tokens:
                     del messages[turn:]  # the context no longer fits: the conversation ends here
                     continue
@@ -80,18 +74,9 @@ def regenerate_chunk(
 
 
 def regenerate_to_file(
-    path: Path,
-    records: list[dict[str, Any]],
-    target_config: ModelConfig,
-    target_params,
-    tokenizer,
-    *,
-    batch_size: int = 32,
-    max_prompt_tokens: int = 512,
-    max_new_tokens: int = 256,
-    temperature: float = 0.0,
-    seed: int = 0,
-    time_budget_s: float = float("inf"),
+    path: Path, records: list[dict[str, Any]], target_config: ModelConfig, target_params, tokenizer, *,
+    batch_size: int = 32, max_prompt_tokens: int = 512, max_new_tokens: int = 256, temperature: float = 0.0,
+    seed: int = 0, time_budget_s: float = float("inf"),
 ) -> int:
     """Regenerate `records` ({"conversations": messages, ...}) into the jsonl file at `path`.
 
@@ -119,14 +104,8 @@ def regenerate_to_file(
                 break
             chunk = records[first : first + batch_size]
             results, tokens = regenerate_chunk(
-                engine,
-                tokenizer,
-                [r["conversations"] for r in chunk],
-                batch_size=batch_size,
-                max_prompt_tokens=max_prompt_tokens,
-                max_new_tokens=max_new_tokens,
-                temperature=temperature,
-                seed=seed + first,
+                engine, tokenizer, [r["conversations"] for r in chunk], batch_size=batch_size,
+                max_prompt_tokens=max_prompt_tokens, max_new_tokens=max_new_tokens, temperature=temperature, seed=seed + first,
             )
             for record, messages in zip(chunk, results):
                 file.write(json.dumps({**record, "conversations": messages}) + "\n")

@@ -36,15 +36,8 @@ class TauEvaluator:
     """Greedy EAGLE-3 chain decoding of held-out prompts; tau and acceptance by position."""
 
     def __init__(
-        self,
-        draft_config: eagle3.Eagle3Config,
-        vocab: eagle3.DraftVocab,
-        target_config: ModelConfig,
-        target_params: llama.Params,
-        prompts: list[list[int]],
-        *,
-        num_spec: int,
-        max_new_tokens: int,
+        self, draft_config: eagle3.Eagle3Config, vocab: eagle3.DraftVocab, target_config: ModelConfig,
+        target_params: llama.Params, prompts: list[list[int]], *, num_spec: int, max_new_tokens: int,
     ):
         if not prompts:
             raise ValueError("no held-out prompts for the engine evaluation (set eval_samples > 0)")

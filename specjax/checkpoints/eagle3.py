@@ -9,7 +9,10 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
+import shutil
 import struct as binary
+import time
 from pathlib import Path
 
 import jax.numpy as jnp
@@ -34,6 +37,8 @@ TORCH_NAMES = {
     "norm": "norm.weight",
     "lm_head": "lm_head.weight",
 }
+ARCHITECTURE = "LlamaForCausalLMEagle3"
+FILES = ("model.safetensors", "config.json")
 
 _DTYPES = {
     "F64": np.float64,
@@ -105,7 +110,7 @@ def _rope_scaling_from_json(raw: dict | None) -> Llama3RopeScaling | None:
 def config_to_json(config: Eagle3Config, dtype: str) -> dict:
     """The Llama-style config.json of a draft."""
     return {
-        "architectures": ["LlamaForCausalLMEagle3"],
+        "architectures": [ARCHITECTURE],
         "model_type": "llama",
         "hidden_size": config.hidden_size,
         "intermediate_size": config.intermediate_size,
@@ -144,21 +149,56 @@ def config_from_json(raw: dict) -> Eagle3Config:
     )
 
 
+def _is_eagle3_export(path: Path) -> bool:
+    """path is absent, an empty directory, or a directory whose config.json names the EAGLE-3 architecture."""
+    if not path.exists() or (path.is_dir() and not any(path.iterdir())):
+        return True
+    try:
+        return ARCHITECTURE in json.loads((path / "config.json").read_text())["architectures"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return False
+
+
 def save_eagle3(
-    path: str | Path, config: Eagle3Config, params: Params, vocab: DraftVocab, dtype=np.float32
+    path: str | Path, config: Eagle3Config, params: Params, vocab: DraftVocab, dtype=np.float32, *, overwrite: bool = False
 ) -> None:
-    """Write `path/model.safetensors` and `path/config.json`; weights stored as `dtype`."""
+    """Write `path/model.safetensors` and `path/config.json`; weights stored as `dtype`.
+
+    The files are written into a temporary directory beside `path` (with any other files already in
+    `path`, hard-linked), which then replaces it: a write that fails or is killed leaves the previous
+    export intact. Raises ValueError naming a tensor with non-finite values, and FileExistsError
+    if `path` holds something other than an EAGLE-3 draft, unless `overwrite`.
+    """
     path = Path(path)
-    path.mkdir(parents=True, exist_ok=True)
+    if not overwrite and not _is_eagle3_export(path):
+        raise FileExistsError(f"{path} holds something other than an EAGLE-3 draft; pass overwrite=True to replace it")
     tensors = {}
     for name, torch_name in TORCH_NAMES.items():
         array = np.asarray(params[name], np.float32)
         tensors[torch_name] = (array.T if array.ndim == 2 else array).astype(dtype)
+        if not np.isfinite(tensors[torch_name].astype(np.float32)).all():
+            raise ValueError(f"{path}: refusing to save tensor {torch_name!r}: it holds non-finite values")
     tensors["d2t"] = np.asarray(vocab.d2t, np.int64)
     tensors["t2d"] = np.asarray(vocab.t2d, np.bool_)
-    write_safetensors(path / "model.safetensors", tensors)
-    dtype_name = "bfloat16" if np.dtype(dtype) == np.dtype(ml_dtypes.bfloat16) else np.dtype(dtype).name
-    (path / "config.json").write_text(json.dumps(config_to_json(config, dtype_name), indent=2) + "\n")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    staging = path.with_name(f".{path.name}.{os.getpid()}.{time.time_ns()}.partial")
+    previous = staging.with_suffix(".previous")
+    try:
+        if path.is_dir():  # files other than ours stay, hard-linked
+            top_level_files = lambda directory, names: FILES if Path(directory) == path else ()
+            shutil.copytree(path, staging, symlinks=True, ignore=top_level_files, copy_function=os.link)
+        else:
+            staging.mkdir()
+        write_safetensors(staging / "model.safetensors", tensors)
+        dtype_name = "bfloat16" if np.dtype(dtype) == np.dtype(ml_dtypes.bfloat16) else np.dtype(dtype).name
+        (staging / "config.json").write_text(json.dumps(config_to_json(config, dtype_name), indent=2) + "\n")
+        if path.exists():
+            path.rename(previous)
+        staging.rename(path)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    shutil.rmtree(previous) if previous.is_dir() else previous.unlink(missing_ok=True)
 
 
 def load_eagle3(
@@ -166,8 +206,8 @@ def load_eagle3(
 ) -> tuple[Eagle3Config, Params, DraftVocab]:
     """Read a draft directory; params in [in, out] layout as `dtype`.
 
-    Raises ValueError naming any missing, unexpected or mis-shaped tensor, an inconsistent
-    d2t/t2d pair, or a target vocabulary other than `target_vocab_size` (when given).
+    Raises ValueError naming any missing, unexpected, mis-shaped or non-finite tensor, an
+    inconsistent d2t/t2d pair, or a target vocabulary other than `target_vocab_size` (when given).
     """
     path = Path(path)
     config = config_from_json(json.loads((path / "config.json").read_text()))
@@ -198,6 +238,8 @@ def load_eagle3(
     params = {}
     for name, torch_name in TORCH_NAMES.items():
         array = tensors[torch_name].astype(np.float32)
+        if not np.isfinite(array).all():
+            raise ValueError(f"{path}: tensor {torch_name!r} holds non-finite values")
         params[name] = jnp.asarray(array.T if array.ndim == 2 else array, dtype)
     vocab = DraftVocab(d2t=jnp.asarray(d2t, jnp.int32), t2d=jnp.asarray(t2d))
     return config, params, vocab
