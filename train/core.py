@@ -1,15 +1,11 @@
 """The method-agnostic training core: state, optimizer, mesh, loop, checkpoints, caches, export.
 
-A `Method` (train.eagle3_method.Eagle3Method; Medusa or EAGLE-1 trainers later) supplies the
-trainable params, the loss of a batch and the target-side inputs; the core does the rest. State is
-one pytree (micro-step counter, float32 params, optimizer state) replicated over a 1-D ("data",)
-mesh; batches are sharded along it. The target is frozen: its outputs are computed inside the
-loss ("online") or once into .npy files ("offline"). Batches are a pure function of the
-micro-step, so resuming from an orbax checkpoint replays exactly the run that was interrupted.
-
-Nothing lost: a non-finite loss or gradient stops the run before it is checkpointed or exported;
-restore skips unreadable or non-finite checkpoints (moved aside, with a warning); metrics.jsonl
-holds each update once across resumes; derived caches are keyed by a hash of their inputs.
+A `Method` (train.eagle3_method.Eagle3Method) supplies the params, the loss of a batch and the
+target-side inputs. State (micro-step, float32 params, optimizer state) is replicated over a 1-D
+("data",) mesh, batches are sharded along it and are a pure function of the micro-step, so a
+resumed run replays exactly the one interrupted. Target outputs are computed in the loss
+("online") or once into .npy files ("offline"). A non-finite update is never checkpointed;
+broken checkpoints are skipped; derived caches are keyed by a hash of their inputs.
 """
 
 from __future__ import annotations
@@ -233,12 +229,10 @@ def _write_atomically(path: Path, content: bytes) -> None:
 def train(setup: Setup, *, stop_at: int | None = None, evaluate_tau: Callable | None = None) -> tuple[TrainState, list[dict]]:
     """Run (or resume) training to num_steps updates, or to `stop_at` updates if given.
 
-    Returns the final state and one record per update of this invocation ({"update", "total",
-    "grad_norm", method statistics, "tokens_per_s" when logged, "eval" (held-out statistics) or
-    "engine" (held-out tau from the engine) when evaluated}); logged and evaluated records are
-    also in output_dir/metrics.jsonl, once each across resumes. evaluate_tau defaults to the
-    method's tau_evaluator. Raises NonFiniteError (naming the update and the quantities) before
-    a non-finite update is checkpointed.
+    Returns the final state and a record per update of this invocation ({"update", "total",
+    "grad_norm", the method's statistics, "tokens_per_s" when logged, "eval" / "engine" when
+    evaluated}); logged and evaluated ones go to output_dir/metrics.jsonl, once across resumes.
+    Raises NonFiniteError naming the update and quantities before checkpointing a non-finite one.
     """
     config, accum = setup.config, setup.config.grad_accum_steps
     last_update = min(stop_at or config.num_steps, config.num_steps)
@@ -339,11 +333,8 @@ def cached_arrays(path: Path, key: str, build: Callable[[], dict[str, np.ndarray
 
 
 def offline_features(method: Method, rows: data.TokenRows, directory: Path, batch_size: int, key: str) -> dict[str, np.ndarray]:
-    """The method's target outputs for every row, memory-mapped from directory/<name>.npy.
-
-    Computed first (a batch at a time) unless the directory holds them under `key`; the key file
-    is written last, so an interrupted computation is redone.
-    """
+    """The method's target outputs for every row, memory-mapped from directory/<name>.npy; computed
+    first unless stored under `key` (written last: an interrupted computation is redone)."""
     key_file = directory / "key"
     if not (key_file.exists() and key_file.read_text() == key):
         directory.mkdir(parents=True, exist_ok=True)

@@ -164,10 +164,9 @@ def save_eagle3(
 ) -> None:
     """Write `path/model.safetensors` and `path/config.json`; weights stored as `dtype`.
 
-    The files are written into a temporary directory beside `path` (with any other files already in
-    `path`, hard-linked), which then replaces it: a write that fails or is killed leaves the previous
-    export intact. Raises ValueError naming a tensor with non-finite values, and FileExistsError
-    if `path` holds something other than an EAGLE-3 draft, unless `overwrite`.
+    Written into a directory beside `path` (other files of `path` hard-linked in), renamed into
+    place: a failed or killed write leaves the previous export. Non-finite weights are a ValueError
+    naming the tensor; a `path` holding anything but an EAGLE-3 draft is refused unless `overwrite`.
     """
     path = Path(path)
     if not overwrite and not _is_eagle3_export(path):
