@@ -1,0 +1,380 @@
+"""The OpenAI-compatible server (infer.serve) through the official `openai` client, on a loopback port.
+
+A tiny random model and a word-level tokenizer: the server's outputs are checked against the
+engine's own `generate`, at the server's batch size so nothing compiles twice.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import threading
+import time
+
+import httpx
+import openai
+import pytest
+
+from engine_helpers import tiny_config, tiny_params, word_tokenizer
+from infer import serve
+from infer.serve import ServeOptions, ServerThread, create_app
+from specjax.drafters.ngram import NgramDrafter
+from specjax.engine import Engine
+from specjax.sampling import SamplingParams
+from specjax.tokenizer import Tokenizer
+
+CONFIG = tiny_config(vocab_size=10, eos=(1,))  # the word tokenizer's 10 words; '<end>' ends a row
+PARAMS = tiny_params(CONFIG, seed=0, scale=30.0)
+SLOTS = 4
+MAX_LEN = 128
+MODEL = "tiny"
+WORDS = "hi there hello you bye see".split()
+
+
+def words(n: int, offset: int = 0) -> str:
+    return " ".join(WORDS[(i * 7 + offset) % len(WORDS)] for i in range(n))
+
+
+@pytest.fixture(scope="module")
+def engine():
+    # Prefill chunks of 16 tokens: longer prompts take several admission chunks.
+    return Engine(CONFIG, PARAMS, NgramDrafter(num_draft=3), max_len=MAX_LEN, prefill_chunk=16)
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return Tokenizer(word_tokenizer())
+
+
+@pytest.fixture(scope="module")
+def server(engine, tokenizer):
+    app = create_app(engine, tokenizer, ServeOptions(model_name=MODEL, max_batch=SLOTS, max_queue=64, steps_per_sync=3))
+    with ServerThread(app) as running:
+        running.compiled = compile_counts(engine)  # after the warm-up at startup
+        yield running
+
+
+def compile_counts(engine: Engine) -> list[int]:
+    return [f._cache_size() for f in (engine._reset_jit, engine._prefill_jit, engine._decode_jit)]
+
+
+def client_for(url: str, timeout: float = 60.0) -> openai.OpenAI:
+    return openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=timeout,
+                         http_client=httpx.Client(trust_env=False))
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return client_for(server.url)
+
+
+def chat_ids(tokenizer: Tokenizer, text: str) -> list[int]:
+    rendered = tokenizer.hf.apply_chat_template([{"role": "user", "content": text}], tokenize=False, add_generation_prompt=True)
+    return tokenizer.encode(rendered)
+
+
+def reference(engine, tokenizer, prompts: list[list[int]], max_tokens: list[int], sampling=None, seed=0) -> list[tuple[str, int]]:
+    """(text, completion tokens) from engine.generate, in batches of the server's slot count."""
+    out = []
+    for start in range(0, len(prompts), SLOTS):
+        batch, limits = prompts[start : start + SLOTS], max_tokens[start : start + SLOTS]
+        pad = SLOTS - len(batch)
+        stats = engine.generate(batch + [[2]] * pad, sampling or SamplingParams.make(SLOTS), limits + [1] * pad, seed=seed)
+        for tokens in stats.tokens[: len(batch)]:
+            body = tokens[:-1] if tokens and tokens[-1] in engine.eos_ids else tokens
+            out.append((tokenizer.decode(body, skip_special_tokens=True), len(tokens)))
+    return out
+
+
+def collect_stream(stream) -> tuple[str, str | None, object]:
+    text, reason, usage = "", None, None
+    for chunk in stream:
+        if chunk.usage is not None:
+            usage = chunk.usage
+        for choice in chunk.choices:
+            piece = choice.delta.content if hasattr(choice, "delta") else choice.text
+            text += piece or ""
+            reason = choice.finish_reason or reason
+    return text, reason, usage
+
+
+def wait_for(predicate, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError("timed out waiting")
+        time.sleep(0.01)
+
+
+# --------------------------------------------------------------------------- the API
+
+
+def test_models_health_and_metrics(server, client):
+    assert [m.id for m in client.models.list().data] == [MODEL]
+    assert httpx.get(server.url + "/health", trust_env=False).json()["status"] == "ok"
+    client.completions.create(model=MODEL, prompt="hi there", max_tokens=5, temperature=0)
+    text = httpx.get(server.url + "/metrics", trust_env=False).text
+    for name in ("specjax_requests_total", "specjax_queue_length", "specjax_tokens_per_second", "specjax_tau",
+                 'specjax_acceptance_by_position{position="3"}', "specjax_time_to_first_token_seconds_bucket",
+                 "specjax_inter_token_latency_seconds_count", "specjax_generated_tokens_total"):
+        assert name in text, name
+    assert 'specjax_requests_total{outcome="completed"}' in text
+
+
+def test_completion_and_chat_streaming_and_not(engine, tokenizer, client):
+    prompt, question = words(5), words(6, offset=2)
+    (plain, plain_len), (chat, chat_len) = reference(engine, tokenizer, [tokenizer.encode(prompt), chat_ids(tokenizer, question)], [24, 24])
+
+    done = client.completions.create(model=MODEL, prompt=prompt, max_tokens=24, temperature=0)
+    assert done.choices[0].text == plain and done.usage.completion_tokens == plain_len
+    assert done.choices[0].finish_reason == ("length" if plain_len == 24 else "stop")
+    text, reason, usage = collect_stream(client.completions.create(
+        model=MODEL, prompt=prompt, max_tokens=24, temperature=0, stream=True, stream_options={"include_usage": True}))
+    assert (text, reason, usage.completion_tokens) == (plain, done.choices[0].finish_reason, plain_len)
+
+    messages = [{"role": "user", "content": question}]
+    answer = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=24, temperature=0)
+    assert answer.choices[0].message.content == chat and answer.choices[0].message.role == "assistant"
+    assert answer.usage.completion_tokens == chat_len and answer.usage.prompt_tokens == len(chat_ids(tokenizer, question))
+    text, reason, _ = collect_stream(client.chat.completions.create(model=MODEL, messages=messages, max_tokens=24, temperature=0, stream=True))
+    assert (text, reason) == (chat, answer.choices[0].finish_reason)
+
+
+def test_sixteen_concurrent_greedy_requests_equal_generate(engine, tokenizer, server, client):
+    """16 requests on 4 slots: admitted as slots free up (prompts of 1 to 3 prefill chunks), mixed
+    chat/completion and streaming; each equals the engine's own greedy output."""
+    texts = [words(3 + 3 * i, offset=i) for i in range(16)]  # 3 .. 48 words
+    limits = [8 + (5 * i) % 40 for i in range(16)]
+    kinds = [("chat" if i % 2 else "completion", i % 3 == 0) for i in range(16)]
+    ids = [chat_ids(tokenizer, t) if kind == "chat" else tokenizer.encode(t) for t, (kind, _) in zip(texts, kinds)]
+    expected = reference(engine, tokenizer, ids, limits)
+
+    def one(i):
+        kind, stream = kinds[i]
+        args = dict(model=MODEL, max_tokens=limits[i], temperature=0, stream=stream)
+        if kind == "chat":
+            response = client.chat.completions.create(messages=[{"role": "user", "content": texts[i]}], **args)
+        else:
+            response = client.completions.create(prompt=texts[i], **args)
+        if stream:
+            return collect_stream(response)[0]
+        return response.choices[0].message.content if kind == "chat" else response.choices[0].text
+
+    with concurrent.futures.ThreadPoolExecutor(16) as pool:
+        got = list(pool.map(one, range(16)))
+    assert got == [text for text, _ in expected]
+    assert compile_counts(engine) == server.compiled
+
+
+def test_seeded_sampling_is_reproducible(engine, tokenizer, client):
+    prompt = words(6, offset=1)
+    params = dict(model=MODEL, prompt=prompt, max_tokens=30, temperature=1.0, top_p=0.95, seed=1234)
+    alone = client.completions.create(**params).choices[0].text
+    # Twice more while unseeded sampled requests share the batch: same text, whatever slot it lands in.
+    with concurrent.futures.ThreadPoolExecutor(6) as pool:
+        noise = [pool.submit(client.completions.create, model=MODEL, prompt=words(4 + i), max_tokens=30, temperature=1.0) for i in range(4)]
+        again = [pool.submit(lambda: client.completions.create(**params).choices[0].text) for _ in range(2)]
+        assert [f.result() for f in again] == [alone, alone]
+        [f.result() for f in noise]
+    sampling = SamplingParams.make(SLOTS, temperature=1.0, top_p=0.95)
+    (expected, _), = reference(engine, tokenizer, [tokenizer.encode(prompt)], [30], sampling, seed=1234)
+    assert alone == expected
+    others = {client.completions.create(**{**params, "seed": seed}).choices[0].text for seed in range(4)}
+    assert len(others) > 1  # the seed matters
+
+
+def test_stop_strings(engine, tokenizer, client):
+    prompt = words(5, offset=4)
+    (full, _), = reference(engine, tokenizer, [tokenizer.encode(prompt)], [40])
+    stop = " ".join(full.split()[2:4])  # two words from inside the reference output
+    expected = full[: full.index(stop)]
+    args = dict(model=MODEL, prompt=prompt, max_tokens=40, temperature=0, stop=[stop, "never said"])
+    done = client.completions.create(**args)
+    assert (done.choices[0].text, done.choices[0].finish_reason) == (expected, "stop")
+    assert collect_stream(client.completions.create(stream=True, **args))[:2] == (expected, "stop")
+
+
+def test_bad_requests_get_a_400_naming_the_problem(client):
+    cases = [
+        (dict(prompt=words(130)), "cache"),
+        (dict(prompt=words(20), max_tokens=120), "max_tokens=120"),
+        (dict(prompt="hi", temperature=-1), "temperature"),
+        (dict(prompt="hi", top_p=0), "top_p"),
+        (dict(prompt="hi", n=2), "n: only n=1"),
+        (dict(prompt="hi", seed=-5), "seed"),
+        (dict(prompt="hi", max_tokens=0), "max_tokens"),
+        (dict(prompt=[3, 99]), "outside the vocabulary"),
+        (dict(prompt=""), "empty"),
+        (dict(prompt="hi", stop=["a", "b", "c", "d", "e"]), "stop"),
+        (dict(prompt="hi", extra_body={"top_k": "many"}), "top_k"),
+        (dict(prompt="hi", logprobs=2), "logprobs"),
+    ]
+    for kwargs, message in cases:
+        with pytest.raises(openai.BadRequestError, match=message) as raised:
+            client.completions.create(model=MODEL, **{"max_tokens": 4, **kwargs})
+        assert raised.value.status_code == 400
+    with pytest.raises(openai.BadRequestError, match="messages"):
+        client.chat.completions.create(model=MODEL, messages=[])
+    with pytest.raises(openai.NotFoundError, match="does not exist"):
+        client.completions.create(model="gpt-9", prompt="hi", max_tokens=4)
+
+
+# --------------------------------------------------------------------------- load and faults
+
+
+class FaultyEngine:
+    """The test engine behind a gate, with a delay and injected failures (same compiled functions)."""
+
+    def __init__(self, engine: Engine):
+        self.engine = engine
+        self.gate = threading.Event()
+        self.gate.set()
+        self.blocked = threading.Event()  # set while a decode call waits at the closed gate
+        self.delay = 0.0
+        self.fail_prompt: list[int] | None = None
+        self.fail_decode = False
+
+    def __getattr__(self, name):
+        return getattr(self.engine, name)
+
+    def admit(self, state, rows, prompts, *args, **kwargs):
+        if self.fail_prompt in prompts:
+            raise RuntimeError("injected admission failure")
+        return self.engine.admit(state, rows, prompts, *args, **kwargs)
+
+    def decode(self, *args, **kwargs):
+        if not self.gate.is_set():
+            self.blocked.set()
+            self.gate.wait()
+            self.blocked.clear()
+        time.sleep(self.delay)
+        if self.fail_decode:
+            self.fail_decode = False
+            raise RuntimeError("injected decode failure")
+        return self.engine.decode(*args, **kwargs)
+
+
+@pytest.fixture(scope="module")
+def faulty(engine, tokenizer, server):
+    proxy = FaultyEngine(engine)
+    app = create_app(proxy, tokenizer, ServeOptions(model_name=MODEL, max_batch=SLOTS, max_queue=64, steps_per_sync=3))
+    with ServerThread(app) as running:
+        running.proxy, running.scheduler, running.metrics = proxy, app.state.scheduler, app.state.metrics
+        yield running
+        proxy.gate.set()
+
+
+def long_prompt(engine, tokenizer, length: int = 100) -> str:
+    """A prompt whose greedy output runs to `length` tokens without an EOS."""
+    candidates = [words(n, offset) for offset in range(len(WORDS)) for n in (2, 3, 5, 8)]
+    runs = reference(engine, tokenizer, [tokenizer.encode(text) for text in candidates], [length] * len(candidates))
+    return next(text for text, (_, generated) in zip(candidates, runs) if generated == length)
+
+
+def test_queue_bound_answers_429(faulty):
+    client, scheduler = client_for(faulty.url), faulty.scheduler
+    scheduler.options.max_queue = 2
+    faulty.proxy.gate.clear()  # decoding stalls: one running request, then the queue fills up
+    pool = concurrent.futures.ThreadPoolExecutor(4)
+    send = lambda i: pool.submit(client.completions.create, model=MODEL, prompt=words(3, i), max_tokens=10, temperature=0)
+    try:
+        accepted = [send(0)]
+        wait_for(faulty.proxy.blocked.is_set)
+        for i in (1, 2):
+            accepted.append(send(i))
+            wait_for(lambda: scheduler.queue_length == i)
+        with pytest.raises(openai.RateLimitError) as raised:
+            send(3).result()
+        assert raised.value.status_code == 429 and (scheduler.running, scheduler.queue_length) == (1, 2)
+        assert raised.value.body["type"] == "rate_limit_error" and "capacity" in raised.value.body["message"]
+    finally:
+        faulty.proxy.gate.set()
+        scheduler.options.max_queue = 64
+    assert all(f.result().choices[0].finish_reason in ("stop", "length") for f in accepted)
+    pool.shutdown()
+
+
+def test_client_disconnect_frees_the_slot(engine, tokenizer, faulty):
+    client, scheduler, metrics = client_for(faulty.url), faulty.scheduler, faulty.metrics
+    prompt = long_prompt(engine, tokenizer)
+    faulty.proxy.delay = 0.05
+    try:
+        cancelled = metrics.requests["cancelled"]
+        stream = client.completions.create(model=MODEL, prompt=prompt, max_tokens=100, temperature=0, stream=True)
+        next(iter(stream))
+        stream.close()  # the client goes away mid-stream
+        wait_for(lambda: metrics.requests["cancelled"] == cancelled + 1 and scheduler.running == 0)
+        # Non-streaming too: a client that times out is noticed and its slot freed.
+        with pytest.raises(openai.APITimeoutError):
+            client_for(faulty.url, timeout=0.3).completions.create(model=MODEL, prompt=prompt, max_tokens=100, temperature=0)
+        wait_for(lambda: metrics.requests["cancelled"] == cancelled + 2 and scheduler.running == 0)
+    finally:
+        faulty.proxy.delay = 0.0
+    assert client.completions.create(model=MODEL, prompt="hi", max_tokens=3, temperature=0).choices[0].text is not None
+
+
+def test_a_failing_request_does_not_take_others_down(engine, tokenizer, faulty):
+    client = client_for(faulty.url)
+    bad, good = words(4, 3), words(4, 1)
+    faulty.proxy.fail_prompt = tokenizer.encode(bad)
+    (expected, _), = reference(engine, tokenizer, [tokenizer.encode(good)], [20])
+    try:
+        with concurrent.futures.ThreadPoolExecutor(4) as pool:
+            goods = [pool.submit(client.completions.create, model=MODEL, prompt=good, max_tokens=20, temperature=0) for _ in range(3)]
+            failing = pool.submit(client.completions.create, model=MODEL, prompt=bad, max_tokens=20, temperature=0)
+            with pytest.raises(openai.InternalServerError, match="injected admission failure"):
+                failing.result()
+            assert [f.result().choices[0].text for f in goods] == [expected] * 3
+    finally:
+        faulty.proxy.fail_prompt = None
+    # A failed decode call fails the running rows, and the server carries on.
+    faulty.proxy.fail_decode = True
+    with pytest.raises(openai.InternalServerError, match="injected decode failure"):
+        client.completions.create(model=MODEL, prompt=good, max_tokens=20, temperature=0)
+    assert client.completions.create(model=MODEL, prompt=good, max_tokens=20, temperature=0).choices[0].text == expected
+    assert httpx.get(faulty.url + "/health", trust_env=False).json()["status"] == "ok"
+
+
+def test_graceful_shutdown_drains_then_cancels(engine, tokenizer, server):
+    proxy = FaultyEngine(engine)
+    proxy.delay = 0.02
+    prompt = long_prompt(engine, tokenizer)
+    (expected, _), = reference(engine, tokenizer, [tokenizer.encode(prompt)], [40])
+    options = ServeOptions(model_name=MODEL, max_batch=SLOTS, steps_per_sync=1, drain_timeout_s=20.0, warmup=False)
+    app = create_app(proxy, tokenizer, options)
+    running = ServerThread(app).start()
+    stream = client_for(running.url).completions.create(model=MODEL, prompt=prompt, max_tokens=40, temperature=0, stream=True)
+    chunks = iter(stream)
+    first = next(chunks).choices[0].text
+    stopper = threading.Thread(target=running.stop)
+    stopper.start()  # shutdown begins while the request is running: it drains
+    rest = collect_stream(chunks)
+    assert (first + rest[0], rest[1]) == (expected, "length")
+    stopper.join(30)
+    assert not running.thread.is_alive() and not app.state.scheduler.alive
+
+    # Past the drain timeout, running requests are cancelled and the server still stops.
+    proxy.delay = 0.1
+    app = create_app(proxy, tokenizer, ServeOptions(model_name=MODEL, max_batch=SLOTS, steps_per_sync=1, drain_timeout_s=0.3, warmup=False))
+    running = ServerThread(app).start()
+    stream = client_for(running.url).completions.create(model=MODEL, prompt=prompt, max_tokens=100, temperature=0, stream=True)
+    chunks = iter(stream)
+    next(chunks)
+    begin = time.monotonic()
+    running.stop()
+    assert not running.thread.is_alive() and not app.state.scheduler.alive and time.monotonic() - begin < 10
+    assert app.state.metrics.requests["cancelled"] == 1 and app.state.scheduler.running == 0
+    with pytest.raises((openai.APIError, httpx.HTTPError)):
+        collect_stream(chunks)
+
+
+def test_nothing_recompiled_as_requests_came_and_went(engine, server):
+    assert compile_counts(engine) == server.compiled == [1, 1, 1]
+
+
+def test_method_flag_takes_a_spec():
+    args = serve.parse_args(["--method", "eagle3:3", "--max-batch", "8", "--port", "0"])
+    assert (args.spec.label, args.max_batch) == ("eagle3:3", 8)
+    assert serve.parse_args(["--method=eagle3:4,2,8"]).spec.label == "eagle3:4,2,8"
+    assert serve.parse_args(["--method", "ngram", "--num-spec", "5"]).spec.label == "ngram:5"
+    with pytest.raises(ValueError, match="drop --num-spec"):
+        serve.parse_args(["--method", "eagle3:3", "--num-spec", "4"])
