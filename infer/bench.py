@@ -100,6 +100,7 @@ def bench_batch_size(engines: dict[MethodSpec, Engine], batches, args) -> list[d
             "tokens": int(tokens),
             "tokens_per_s": tokens / seconds,
             "tau": float((hist * (np.arange(hist.size) + 1)).sum() / max(hist.sum(), 1)),
+            "block": engine.num_nodes + engine.drafter.num_aux,  # tokens in the verifying forward
             "acceptance_by_position": (reached[1:] / np.maximum(reached[:-1], 1)).tolist(),
             "t_decode_ms": timings["decode"] * 1e3,
             "t_verify_ms": timings["verify"] * 1e3,

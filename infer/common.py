@@ -16,7 +16,9 @@ import numpy as np
 from specjax import checkpoints
 from specjax import tokenizer as tokenizer_lib
 from specjax.drafters.base import BuildContext, Drafter
-from specjax.drafters.registry import METHODS, MethodSpec, parse_tree
+from specjax.drafters.base import TREE
+from specjax.drafters.lookahead import SHAPE as LOOKAHEAD
+from specjax.drafters.registry import METHODS, MethodSpec, parse_shape
 from specjax.engine import Stats
 from specjax.models.config import ModelConfig
 from specjax.sampling import SamplingParams
@@ -75,15 +77,19 @@ def add_method_args(parser: argparse.ArgumentParser) -> None:
     choices = "; ".join(f"{m.name}: {m.help}" for m in METHODS.values())
     spec.add_argument("--method", choices=list(METHODS), default="ar", help=choices)
     spec.add_argument("--num-spec", type=POSITIVE_INT, default=None, help="drafted tokens per step (default: the method's)")
-    spec.add_argument("--tree", type=_tree_arg, default=None, help="an EAGLE-2 dynamic tree DEPTH,TOPK,NODES (eagle3)")
+    spec.add_argument("--tree", type=_shape_arg(TREE), default=None, help=f"an EAGLE-2 dynamic tree {TREE} (eagle3)")
+    spec.add_argument("--lookahead", type=_shape_arg(LOOKAHEAD), default=None, help=f"{LOOKAHEAD} (lookahead)")
     spec.add_argument("--min-ngram", type=POSITIVE_INT, default=None, help="shortest suffix match for prompt lookup")
 
 
-def _tree_arg(text: str) -> tuple[int, int, int]:
-    try:
-        return parse_tree(text)
-    except ValueError as error:
-        raise argparse.ArgumentTypeError(str(error)) from None
+def _shape_arg(name: str):
+    def parse(text: str) -> tuple[int, int, int]:
+        try:
+            return parse_shape(text, name)
+        except ValueError as error:
+            raise argparse.ArgumentTypeError(str(error)) from None
+
+    return parse
 
 
 def add_sampling_args(parser: argparse.ArgumentParser) -> None:
@@ -98,7 +104,11 @@ def add_sampling_args(parser: argparse.ArgumentParser) -> None:
 
 def method_spec(args: argparse.Namespace) -> MethodSpec:
     """The spec of --method and its knobs; a knob or --draft the method does not take is an error."""
-    spec = MethodSpec(args.method, args.num_spec, args.tree, args.min_ngram)
+    shapes = [(flag, value, name) for flag, value, name in (("--tree", args.tree, TREE), ("--lookahead", args.lookahead, LOOKAHEAD)) if value]
+    for flag, _, name in shapes:
+        if (METHODS[args.method].shape or ("",))[0] != name:
+            raise ValueError(f"{flag} does not apply to --method {args.method}")
+    spec = MethodSpec(args.method, args.num_spec, shapes[0][1] if shapes else None, args.min_ngram)
     check_draft_flag(args, [spec])
     return spec
 

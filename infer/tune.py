@@ -25,6 +25,8 @@ import numpy as np
 from infer import common
 from specjax import theory
 from specjax.drafters.registry import METHODS, MethodSpec
+from specjax.drafters.base import TREE
+from specjax.drafters.lookahead import SHAPE as LOOKAHEAD
 from specjax.tree import pool_size
 
 TASKS = ("chat", "code", "structured", "long-form", "creative")
@@ -89,20 +91,26 @@ def candidates(args, measured: dict) -> list[Candidate]:
             alpha = info["alpha"]
         c = info.get("c", priors.draft_cost)
         source = "measured" if info else "prior"
-        for n in range(1, 9):
+        shape = (METHODS[method].shape or ("",))[0]
+        for n in range(1, 9) if METHODS[method].num_spec else ():
             tau = chain_tau(alpha, n, info.get("curve"))
             cost = verify_ratio(n + 1, args.batch_size, measured.get("verify")) + n * c
             why = f"alpha={alpha:.2f} ({source}), tau={tau:.2f}, cost={cost:.2f} decode steps (verify {n + 1} tokens + {n} drafts at c={c:.2f})"
             out.append(Candidate(MethodSpec(method, num_spec=n), tau, cost, why))
-        if not METHODS[method].trees:
-            continue
-        for depth, top_k, nodes in itertools.product((3, 4, 5, 6), (2, 4, 8), (8, 16, 32, 64)):
+        for window, ngram, guesses in itertools.product((2, 4, 8), (3, 4, 5), (2, 4, 8)) if shape == LOOKAHEAD else ():
+            # The best of G pool n-grams is accepted like a chain of N - 1 (prior); the window rides along.
+            tau = chain_tau(alpha, ngram - 1, info.get("curve"))
+            block = (guesses + window) * (ngram - 1)
+            cost = verify_ratio(block, args.batch_size, measured.get("verify"))
+            why = f"alpha={alpha:.2f} ({source}), tau={tau:.2f}, cost={cost:.2f} (one forward over {block} tokens: window and guesses)"
+            out.append(Candidate(MethodSpec(method, shape=(window, ngram, guesses)), tau, cost, why))
+        for depth, top_k, nodes in itertools.product((3, 4, 5, 6), (2, 4, 8), (8, 16, 32, 64)) if shape == TREE else ():
             if nodes > pool_size(depth, top_k) or nodes < depth:
                 continue
             tau = tree_tau(alpha, depth, top_k, nodes)
             cost = verify_ratio(nodes + 1, args.batch_size, measured.get("verify")) + depth * c * (1 + 0.1 * top_k)
             why = f"alpha={alpha:.2f} ({source}), tau={tau:.2f}, cost={cost:.2f} (verify {nodes + 1} tokens, {depth} head levels of {top_k})"
-            out.append(Candidate(MethodSpec(method, tree=(depth, top_k, nodes)), tau, cost, why))
+            out.append(Candidate(MethodSpec(method, shape=(depth, top_k, nodes)), tau, cost, why))
     return sorted(out, key=lambda c: -c.speedup)
 
 
@@ -114,9 +122,8 @@ def measured_from_bench(path: str) -> dict:
         spec = MethodSpec.parse(r["method"])
         if spec.method == "ar":
             continue
-        nodes = (spec.tree[2] if spec.tree else spec.num_spec) + 1
-        measured["verify"][nodes] = r["verify_over_decode"]
-        if spec.tree is None:
+        measured["verify"][r["block"]] = r["verify_over_decode"]
+        if spec.num_spec is not None:
             steps = spec.num_spec
             measured[spec.method] = {
                 "curve": r["acceptance_by_position"],
@@ -202,8 +209,8 @@ def render(args, ranked: list[Candidate], switch: float | None, measured_runs) -
 
 def cli_flags(spec: MethodSpec) -> str:
     flags = f"--method {spec.method}"
-    if spec.tree:
-        return flags + f" --tree {','.join(map(str, spec.tree))}"
+    if spec.shape:
+        return flags + f" {'--tree' if spec.tree else '--lookahead'} {','.join(map(str, spec.shape))}"
     return flags if spec.num_spec is None else flags + f" --num-spec {spec.num_spec}"
 
 

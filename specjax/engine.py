@@ -162,6 +162,25 @@ class Engine:
             return verify.tree(key, proposal.tree, proposal.tokens, target_probs, sampling)
         raise ValueError(f"unknown verification rule {proposal.rule!r}")
 
+    def _target_over(self, params, cache: kv.KVCache, proposal: Proposal) -> tuple[llama.ForwardOutput, dict]:
+        """The target over the proposal's tree (and auxiliary nodes): outputs at the tree's N nodes,
+        and {"aux_logits": [B, A, V]} when there are auxiliary nodes."""
+        tree = proposal.tree
+        tokens, positions = proposal.tokens, cache.lengths[:, None] + tree.depths  # [B, N]
+        mask = tree.ancestor_mask()  # [B, N, N]
+        if proposal.aux_tokens is None:
+            return self._target(params, tokens, positions, cache, mask), {}
+        num_nodes, num_aux = tokens.shape[1], proposal.aux_tokens.shape[1]
+        tokens = jnp.concatenate([tokens, proposal.aux_tokens], 1)  # [B, N + A]
+        positions = jnp.concatenate([positions, cache.lengths[:, None] + proposal.aux_offsets], 1)
+        tree_rows = jnp.pad(mask, ((0, 0), (0, 0), (0, num_aux)))  # tree nodes never see auxiliary ones
+        out = self._target(params, tokens, positions, cache, jnp.concatenate([tree_rows, proposal.aux_mask], 1))
+        features = None if out.features is None else out.features[:, :num_nodes]
+        tree_out = llama.ForwardOutput(
+            logits=out.logits[:, :num_nodes], k=out.k[:, :, :num_nodes], v=out.v[:, :, :num_nodes], features=features
+        )
+        return tree_out, {"aux_logits": out.logits[:, num_nodes:]}
+
     def _step(self, params, drafter_params, state: DecodeState, sampling) -> DecodeState:
         # Per-row keys, advanced by the row's own verifier calls: a row's draws do not depend on
         # its slot, its batch or the step at which it was admitted.
@@ -172,8 +191,7 @@ class Engine:
 
         drafter_state, proposal = self.drafter.propose(drafter_params, state.drafter_state, draft_key, ctx, sampling)
         tree = proposal.tree
-        positions = cache.lengths[:, None] + tree.depths  # [B, N]
-        out = self._target(params, proposal.tokens, positions, cache, tree.ancestor_mask())
+        out, aux = self._target_over(params, cache, proposal)
         verdict = self._verify(verify_key, proposal, sampling_lib.probs(out.logits, sampling), sampling)
 
         accepted = jnp.where(state.active, verdict.accepted, 0)  # [B]
@@ -204,7 +222,7 @@ class Engine:
             pending=jnp.where(state.active, verdict.next_token, state.pending),
             num_generated=num_generated,
             active=state.active & ~hit_eos & (num_generated < state.max_new),
-            drafter_state=self.drafter.update(drafter_params, drafter_state, ctx, proposal, commit, out.features),
+            drafter_state=self.drafter.update(drafter_params, drafter_state, ctx, proposal, commit, out.features, **aux),
             step=state.step + 1,
             accepted_hist=state.accepted_hist + hist_update,
         )
@@ -382,7 +400,8 @@ class Engine:
     ) -> dict[str, float]:
         """Median seconds of the pieces of one decode step, after prefilling `prompts` (warm).
 
-        decode: a 1-token target forward; verify: the target over this method's N nodes;
+        decode: a 1-token target forward; verify: the target over this method's N nodes (and
+        auxiliary nodes);
         draft: one `propose`; step: one whole decode step (draft, verify, commit, update).
         The pieces are timed round-robin, so a drifting machine load shifts them alike and
         their ratios (c, T_verify / T_decode) stay stable.
@@ -404,7 +423,7 @@ class Engine:
 
         pieces = {
             "decode": (jax.jit(target_over, static_argnums=2), (self.params, state, 1)),
-            "verify": (jax.jit(target_over, static_argnums=2), (self.params, state, self.num_nodes)),
+            "verify": (jax.jit(target_over, static_argnums=2), (self.params, state, self.num_nodes + self.drafter.num_aux)),
             "draft": (jax.jit(draft), (self.params, self.drafter_params, state)),
             "step": (jax.jit(self._step), (self.params, self.drafter_params, state, sampling)),
         }

@@ -9,6 +9,7 @@ from specjax import tree as tree_lib
 from specjax.drafters.base import Drafter, Proposal
 from specjax.drafters.draft_model import DraftModelDrafter
 from specjax.drafters.eagle3 import Eagle3Drafter
+from specjax.drafters.lookahead import LookaheadDrafter
 from specjax.drafters.ngram import NgramDrafter
 from specjax.drafters.ngram_first import NgramFirst
 from specjax.models import eagle3, llama
@@ -110,6 +111,7 @@ def all_drafters(config: ModelConfig, params) -> dict[str, Drafter]:
         "eagle3-ngram-first": NgramFirst(eagle3_drafter(config, params, depth=3), min_ngram=2),
         "draft-ngram-first": NgramFirst(DraftModelDrafter(draft_config, tiny_params(draft_config, 3), num_draft=3), min_ngram=2),
         "oracle-tree": OracleTreeDrafter(config, params, depth=3),
+        "lookahead": LookaheadDrafter(config.vocab_size, window=3, ngram=3, guesses=2),
     }
 
 

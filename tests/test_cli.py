@@ -46,7 +46,9 @@ def test_generate_rejects_a_prompt_longer_than_the_cache():
         (["--max-len", "0"], "--max-len: expected an integer >= 1"),
         (["--steps-per-sync", "-1"], "--steps-per-sync: expected an integer >= 1"),
         (["--seed", str(2**64)], "--seed: expected a seed in [0, 4294967295]"),
-        (["--tree", "3,2"], "--tree: a tree is DEPTH,TOPK,NODES"),
+        (["--tree", "3,2"], "--tree: expected DEPTH,TOPK,NODES (three positive integers"),
+        (["--tree", "2,2,9"], "NODES must be <= TOPK + (DEPTH-1)*TOPK^2"),
+        (["--lookahead", "4,0,4"], "--lookahead: expected WINDOW,NGRAM,GUESSES"),
         (["--method", "medusa"], "--method: invalid choice: 'medusa'"),
     ],
 )
@@ -60,8 +62,10 @@ def test_bad_flags_are_named_while_parsing(argv, message, capsys):
     "argv, message",
     [
         (["--method", "ar", "--num-spec", "3"], "ar drafts nothing"),
-        (["--method", "ngram", "--tree", "3,2,4"], "ngram drafts chains, not trees"),
-        (["--method", "eagle3+ngram", "--tree", "3,2,4"], "eagle3\\+ngram drafts chains, not trees"),
+        (["--method", "ngram", "--tree", "3,2,4"], "--tree does not apply to --method ngram"),
+        (["--method", "eagle3+ngram", "--tree", "3,2,4"], "--tree does not apply to --method eagle3\\+ngram"),
+        (["--method", "eagle3", "--lookahead", "4,3,4"], "--lookahead does not apply to --method eagle3"),
+        (["--method", "lookahead", "--num-spec", "3"], "lookahead takes WINDOW,NGRAM,GUESSES, not a number"),
         (["--method", "eagle3", "--min-ngram", "2"], "eagle3 does no prompt lookup"),
         (["--method", "ngram", "--draft", "somewhere"], "--draft is not used by ngram:5"),
         (["--raw", "--system", "be brief"], "--system applies to the chat template"),
@@ -100,6 +104,10 @@ def test_method_specs_parse_and_fail_clearly():
         bench.split_methods("eagle3+ngram:4,2,8")
     with pytest.raises(ValueError, match="ar drafts nothing"):
         bench.split_methods("ar:3")
+    lookahead = bench.split_methods("lookahead,lookahead:8,4,2")
+    assert [s.label for s in lookahead] == ["ar", "lookahead:4,3,4", "lookahead:8,4,2"]
+    with pytest.raises(ValueError, match="expected WINDOW,NGRAM,GUESSES"):
+        bench.split_methods("lookahead:4,3")
 
 
 def test_bench_and_tune_refuse_flags_they_do_not_take(capsys):

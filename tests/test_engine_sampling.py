@@ -4,7 +4,8 @@ A tiny random target (vocabulary 12) decodes one prompt in many rows of one batc
 empirical joint distribution of (t1, t2, t3) is compared, by chi-square, with the exact one
 enumerated from the target: q(t1) q(t2 | t1) q(t3 | t1, t2), where q is the processed
 distribution (`sampling.probs`). Chain (a sampled draft model, Leviathan rule) and tree (an
-EAGLE-2 tree from a random EAGLE-3 head, point-mass rule), at temperature 1 and with top-p
+EAGLE-2 tree from a random EAGLE-3 head, point-mass rule; Lookahead's pool n-grams with its
+window riding along), at temperature 1 and with top-p
 (n-gram-first drafting: test_ngram_first.py, same check).
 A deliberately broken commit must fail the same check.
 """
@@ -22,6 +23,7 @@ import pytest
 from engine_helpers import eagle3_drafter, tiny_config, tiny_params
 from specjax import kv_cache
 from specjax.drafters.draft_model import DraftModelDrafter
+from specjax.drafters.lookahead import LookaheadDrafter
 from specjax.engine import Engine
 from specjax.models import llama
 from specjax.sampling import SamplingParams, probs
@@ -63,6 +65,7 @@ def make_engine(method: str) -> Engine:
     drafter = {
         "chain": lambda: DraftModelDrafter(DRAFT_CONFIG, DRAFT_PARAMS, num_draft=2),
         "tree": lambda: eagle3_drafter(CONFIG, PARAMS, depth=2, top_k=2, nodes=4),
+        "lookahead": lambda: LookaheadDrafter(VOCAB, window=2, ngram=3, guesses=2),
     }[method]()
     return Engine(CONFIG, PARAMS, drafter, max_len=MAX_LEN, eos_ids=())
 
@@ -71,7 +74,7 @@ cached_engine = functools.cache(make_engine)  # one compilation per method, shar
 
 
 @pytest.mark.parametrize("setting", sorted(SETTINGS))
-@pytest.mark.parametrize("method", ["chain", "tree"])
+@pytest.mark.parametrize("method", ["chain", "tree", "lookahead"])
 def test_first_three_tokens_follow_the_target(method, setting):
     samples = sample_joint(cached_engine(method), SETTINGS[setting], seed=11)
     assert chi_square_pvalue(samples, exact_joint(SETTINGS[setting])) > 1e-4

@@ -32,8 +32,8 @@ def test_recommendation_follows_the_workload(tmp_path):
 
 def test_bench_measurements_replace_the_priors(tmp_path):
     bench = {"results": [
-        {"method": "ar", "batch_size": 1, "acceptance_by_position": [], "verify_over_decode": 1.0, "c": 0.0, "t_decode_ms": 50.0},
-        {"method": "ngram:4", "batch_size": 1, "acceptance_by_position": [0.95, 0.95, 0.95, 0.95],
+        {"method": "ar", "batch_size": 1, "block": 1, "acceptance_by_position": [], "verify_over_decode": 1.0, "c": 0.0, "t_decode_ms": 50.0},
+        {"method": "ngram:4", "batch_size": 1, "block": 5, "acceptance_by_position": [0.95, 0.95, 0.95, 0.95],
          "verify_over_decode": 1.2, "c": 0.0, "t_decode_ms": 50.0},
     ]}
     path = tmp_path / "bench.json"

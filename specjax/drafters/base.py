@@ -29,6 +29,9 @@ DrafterState = Any  # a pytree
 #: "rejection" (a chain sampled from `draft_probs`, `verify.chain`).
 Rule = Literal["point_mass", "rejection"]
 
+#: The shape of an EAGLE-2 dynamic tree (`Method.shape`): depth, children per expanded node, nodes kept.
+TREE = "DEPTH,TOPK,NODES"
+
 
 @struct.dataclass
 class Proposal:
@@ -39,12 +42,20 @@ class Proposal:
     draft_probs: [B, N - 1, V] the distributions the drafted chain tokens were sampled from
                  (rule "rejection" only).
     rule:        static; which verification rule is exact for these drafts.
+    aux_tokens:  [B, A] auxiliary nodes run in the same forward, never verified or committed
+                 (Lookahead's Jacobi window); their logits go to `update` as aux_logits.
+    aux_offsets: [B, A] their positions relative to the pending token's.
+    aux_mask:    [B, A, N + A] which tree nodes and auxiliary nodes each one attends to (beside
+                 the committed prefix); tree nodes never see auxiliary ones.
     """
 
     tree: Tree
     tokens: jax.Array
     draft_probs: jax.Array | None = None
     rule: Rule = struct.field(pytree_node=False, default="point_mass")
+    aux_tokens: jax.Array | None = None
+    aux_offsets: jax.Array | None = None
+    aux_mask: jax.Array | None = None
 
 
 @struct.dataclass
@@ -116,6 +127,9 @@ class Drafter(abc.ABC):
     #: What the drafter reads of the target's forward (features in prefill and update).
     taps: Taps = Taps()
 
+    #: A: auxiliary nodes per proposal (run in the forward, never verified), e.g. Lookahead's window.
+    num_aux: int = 0
+
     #: True when `propose` writes state that `update` relies on; a combinator may skip a
     #: `propose` call only when this is False (then `update` alone keeps the state right).
     propose_changes_state: bool = False
@@ -165,7 +179,9 @@ class Drafter(abc.ABC):
         features: jax.Array | None,
     ) -> DrafterState:
         """Learn what was committed. ctx is the context *before* the commit; features [B, N, F]
-        are the target's taps at the proposed nodes (None without taps). Default: nothing."""
+        are the target's taps at the proposed nodes (None without taps). A drafter that proposes
+        auxiliary nodes also receives their logits as the keyword `aux_logits` [B, A, V].
+        Default: nothing."""
         return state
 
 
@@ -210,8 +226,9 @@ class Method:
     """A decoding method as the command lines know it (see `registry` for the spec syntax).
 
     build:     (spec, context) -> the drafter, its parameters loaded.
-    num_spec:  default drafted tokens per step; None for a method that drafts nothing.
-    trees:     whether it takes an EAGLE-2 tree DEPTH,TOPK,NODES instead of a chain.
+    num_spec:  default drafted tokens per step; None for a method that drafts no chain.
+    shape:     the name of the three numbers it takes instead of a chain length, if any
+               (TREE for an EAGLE-2 tree, "WINDOW,NGRAM,GUESSES" for Lookahead), and their default.
     draft:     what --draft names for it (None: it takes no --draft).
     min_ngram: default shortest suffix match for prompt lookup (None: no lookup).
     priors:    tune's priors; None keeps it out of tune's candidates.
@@ -221,7 +238,7 @@ class Method:
     help: str
     build: Callable[[Any, BuildContext], Drafter]
     num_spec: int | None = None
-    trees: bool = False
+    shape: tuple[str, tuple[int, int, int] | None] | None = None
     draft: str | None = None
     min_ngram: int | None = None
     priors: Priors | None = None

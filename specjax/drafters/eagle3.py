@@ -22,7 +22,7 @@ from flax import struct
 
 from specjax import kv_cache as kv
 from specjax.checkpoints.eagle3 import load_eagle3
-from specjax.drafters.base import Commit, Drafter, Method, PrefillChunk, Priors, Proposal, StepContext
+from specjax.drafters.base import TREE, Commit, Drafter, Method, PrefillChunk, Priors, Proposal, StepContext
 from specjax.models import eagle3
 from specjax.models.config import ModelConfig
 from specjax.models.llama import Taps
@@ -227,7 +227,7 @@ def _build(spec, context) -> Eagle3Drafter:
     head_config, head_params, vocab = load_eagle3(
         context.draft_path or default_draft_path(), target_vocab_size=context.target_config.vocab_size, dtype=context.dtype
     )
-    depth, top_k, nodes = spec.tree or (spec.num_spec, 1, spec.num_spec)
+    depth, top_k, nodes = spec.shape or (spec.num_spec, 1, spec.num_spec)
     return Eagle3Drafter(
         head_config, head_params, vocab, context.target_params["embed_tokens"], depth=depth, top_k=top_k,
         tree_nodes=nodes, feature_layers=eagle3.feature_layers(context.target_config.num_layers),
@@ -239,7 +239,7 @@ METHOD = Method(
     "the EAGLE-3 draft head: a chain, or an EAGLE-2 dynamic tree DEPTH,TOPK,NODES",
     build=_build,
     num_spec=3,
-    trees=True,
+    shape=(TREE, None),
     draft="an EAGLE-3 draft directory (default: the shipped SmolLM2-135M-Instruct draft)",
     priors=Priors(
         alpha={"chat": 0.7, "code": 0.75, "structured": 0.75, "long-form": 0.65, "creative": 0.55},
