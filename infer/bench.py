@@ -85,7 +85,8 @@ def interleaved_passes(engines: dict[MethodSpec, Engine], batches, sampling, max
 
 def bench_batch_size(engines: dict[MethodSpec, Engine], batches, args) -> list[dict]:
     """All methods at one batch size: warm-up, --repeats interleaved passes (medians), step profiles."""
-    sampling = common.sampling_params(args, len(batches[0]))
+    batch_size = len(batches[0])
+    sampling = common.sampling_params(args, batch_size)
     passes = interleaved_passes(engines, batches, sampling, args.max_new_tokens, args.repeats, args.seed)
     results = []
     for spec, engine in engines.items():
