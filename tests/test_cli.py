@@ -105,7 +105,7 @@ def test_method_specs_parse_and_fail_clearly():
     with pytest.raises(ValueError, match="ar drafts nothing"):
         bench.split_methods("ar:3")
     lookahead = bench.split_methods("lookahead,lookahead:8,4,2")
-    assert [s.label for s in lookahead] == ["ar", "lookahead:4,3,4", "lookahead:8,4,2"]
+    assert [s.label for s in lookahead] == ["ar", "lookahead:2,3,2", "lookahead:8,4,2"]
     with pytest.raises(ValueError, match="expected WINDOW,NGRAM,GUESSES"):
         bench.split_methods("lookahead:4,3")
 
