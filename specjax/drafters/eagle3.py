@@ -14,6 +14,7 @@ point-mass tree rule. K = 1 gives a greedy chain of D tokens.
 
 from __future__ import annotations
 
+import importlib.resources
 from pathlib import Path
 
 import jax
@@ -30,8 +31,8 @@ from specjax.tree import Tree, ancestor_mask, causal_mask, pool_size
 
 
 def default_draft_path() -> Path:
-    """The shipped SmolLM2-135M-Instruct EAGLE-3 draft."""
-    path = Path(__file__).resolve().parents[2] / "drafts" / "smollm2-135m-eagle3"
+    """The shipped SmolLM2-135M-Instruct EAGLE-3 draft (package data of specjax.drafts)."""
+    path = Path(importlib.resources.files("specjax.drafts")) / "smollm2-135m-eagle3"
     if not (path / "config.json").exists():
         raise ValueError(f"no default EAGLE-3 draft at {path}; pass --draft PATH")
     return path
@@ -227,10 +228,11 @@ def _build(spec, context) -> Eagle3Drafter:
     head_config, head_params, vocab = load_eagle3(
         context.draft_path or default_draft_path(), target_vocab_size=context.target_config.vocab_size, dtype=context.dtype
     )
+    embed_tokens = head_params.pop("embed_tokens", context.target_params["embed_tokens"])  # the draft's own, as vLLM
     depth, top_k, nodes = spec.shape or (spec.num_spec, 1, spec.num_spec)
     return Eagle3Drafter(
-        head_config, head_params, vocab, context.target_params["embed_tokens"], depth=depth, top_k=top_k,
-        tree_nodes=nodes, feature_layers=eagle3.feature_layers(context.target_config.num_layers),
+        head_config, head_params, vocab, embed_tokens, depth=depth, top_k=top_k,
+        tree_nodes=nodes, feature_layers=head_config.target_taps(context.target_config.num_layers),
     )
 
 

@@ -4,11 +4,13 @@ Params are a flat dict of arrays in [in, out] layout (the checkpoint module conv
 from the torch [out, in] names). One draft step, for queries at positions `positions`:
 
     x     = concat(input_layernorm(embed(token)), hidden_norm(h))      # [B, T, 2H]
-    h'    = h + o_proj(attention(q_proj(x), k_proj(x), v_proj(x)))      # residual stream is h
+    r     = hidden_norm(h) if norm_before_residual else h               # the residual stream
+    h'    = r + o_proj(attention(q_proj(x), k_proj(x), v_proj(x)))
     h_out = h' + mlp(post_attention_layernorm(h'))                      # fed back as the next h
     logits = lm_head(norm(h_out))                                       # [B, T, Vd], draft vocab
 
 Step 0 uses h = project_features(target features); later steps use the previous h_out.
+`norm_before_residual` is vLLM's flag of that name (EAGLE and SpecForge drafts: False).
 Draft token i is target token i + d2t[i]; t2d[v] says whether target token v is drafted.
 """
 
@@ -47,6 +49,16 @@ class Eagle3Config:
     rope_theta: float = 10000.0
     rope_scaling: Llama3RopeScaling | None = None
     max_position_embeddings: int = 8192
+    tap_layers: tuple[int, ...] | None = None  # target layers whose inputs fc reads; None: feature_layers(N)
+    norm_before_residual: bool = False  # the residual stream starts at hidden_norm(h) instead of h
+
+    def __post_init__(self):
+        if self.tap_layers is not None and len(self.tap_layers) != 3:
+            raise ValueError(f"EAGLE-3 reads three target layers (fc takes 3H), got {self.tap_layers}")
+
+    def target_taps(self, num_target_layers: int) -> tuple[int, ...]:
+        """The target layers whose inputs this draft reads: its own, else the EAGLE-3 default."""
+        return self.tap_layers or feature_layers(num_target_layers)
 
     @classmethod
     def from_target(cls, target: ModelConfig, draft_vocab_size: int) -> Eagle3Config:
@@ -65,6 +77,7 @@ class Eagle3Config:
             rope_theta=target.rope_theta,
             rope_scaling=target.rope_scaling,
             max_position_embeddings=target.max_position_embeddings,
+            tap_layers=feature_layers(target.num_layers),
         )
 
     def param_shapes(self) -> dict[str, tuple[int, ...]]:
@@ -172,7 +185,10 @@ def midlayer_output(
     """From h [B, T, H] and attention output [B, T, Hq, D]: (logits [B, T, Vd] f32, h_out [B, T, H])."""
     batch, length, _ = hidden.shape
     dtype = params["o_proj"].dtype
-    hidden = hidden.astype(dtype) + attention_out.reshape(batch, length, -1).astype(dtype) @ params["o_proj"]
+    residual = hidden.astype(dtype)
+    if config.norm_before_residual:
+        residual = rms_norm(residual, params["hidden_norm"], config.rms_norm_eps)
+    hidden = residual + attention_out.reshape(batch, length, -1).astype(dtype) @ params["o_proj"]
     x = rms_norm(hidden, params["post_attention_layernorm"], config.rms_norm_eps)
     hidden = hidden + (jax.nn.silu(x @ params["gate_proj"]) * (x @ params["up_proj"])) @ params["down_proj"]
     logits = rms_norm(hidden, params["norm"], config.rms_norm_eps) @ params["lm_head"]
