@@ -67,9 +67,16 @@ def _row_noise(key: jax.Array, num_tests: int, vocab: int) -> tuple[jax.Array, j
     return uniform[:num_tests], -jnp.log(-jnp.log(uniform[num_tests:]))
 
 
-def row_keys(key: jax.Array, batch_size: int) -> jax.Array:
-    """[B] keys: a batch of per-row keys as given, or a single key split into one per row."""
-    return key if key.ndim else jax.random.split(key, batch_size)
+def _noise(key: jax.Array, params: SamplingParams, num_tests: int, vocab: int) -> tuple[jax.Array, jax.Array]:
+    """Every row's randomness, uniform [B, num_tests] and Gumbel [B, vocab], from one key or [B]
+    per-row keys. Greedy rows use none of it, so an all-greedy batch skips drawing it."""
+    batch = params.batch_size
+    keys = key if key.ndim else jax.random.split(key, batch)
+    return jax.lax.cond(
+        jnp.all(params.greedy),
+        lambda: (jnp.ones((batch, num_tests)), jnp.zeros((batch, vocab))),
+        lambda: jax.vmap(_row_noise, (0, None, None))(keys, num_tests, vocab),
+    )
 
 
 def _draw(gumbel: jax.Array, probabilities: jax.Array) -> jax.Array:
@@ -92,7 +99,8 @@ def emitted_tokens(verdict: Verdict, node_tokens: jax.Array) -> jax.Array:
 
 
 def _chain_row(
-    key: jax.Array,
+    uniform: jax.Array,  # [N] acceptance uniforms
+    gumbel: jax.Array,  # [V]
     draft_tokens: jax.Array,  # [N]
     draft_probs: jax.Array,  # [N, V]
     target_probs: jax.Array,  # [N + 1, V]
@@ -100,8 +108,7 @@ def _chain_row(
     residual: Residual,
 ) -> tuple[jax.Array, jax.Array]:
     """(accepted, next_token) for one row of `chain`."""
-    num_draft, vocab = draft_probs.shape[0], target_probs.shape[1]
-    uniform, gumbel = _row_noise(key, num_draft, vocab)  # [N], [V]
+    num_draft = draft_probs.shape[0]
     q_drafted = jnp.take_along_axis(target_probs[:-1], draft_tokens[:, None], axis=-1)[:, 0]  # [N]
     p_drafted = jnp.take_along_axis(draft_probs, draft_tokens[:, None], axis=-1)[:, 0]  # [N]
     sampled_ok = uniform * p_drafted < q_drafted
@@ -122,7 +129,8 @@ def _chain(key, draft_tokens, draft_probs, target_probs, params, residual: Resid
     """`chain` with the residual rule as a parameter (tests swap in wrong rules)."""
     batch_size, num_draft = draft_tokens.shape
     row = functools.partial(_chain_row, residual=residual)
-    accepted, next_token = jax.vmap(row)(row_keys(key, batch_size), draft_tokens, draft_probs, target_probs, params.greedy)
+    uniform, gumbel = _noise(key, params, num_draft, target_probs.shape[-1])
+    accepted, next_token = jax.vmap(row)(uniform, gumbel, draft_tokens, draft_probs, target_probs, params.greedy)
     positions = jnp.arange(num_draft + 1, dtype=jnp.int32)
     return Verdict(
         accepted=accepted,
@@ -155,7 +163,8 @@ def chain(
 
 
 def _tree_row(
-    key: jax.Array,
+    uniform: jax.Array,  # [N] one acceptance uniform per node
+    gumbel: jax.Array,  # [V]
     parents: jax.Array,  # [N]
     depths: jax.Array,  # [N]
     ancestors: jax.Array,  # [N, N] ancestor-or-self mask
@@ -173,8 +182,7 @@ def _tree_row(
     is taken on a compressed vocabulary of N slots: one per sibling (q_parent of its token, 0
     for a repeat of an earlier sibling's token) and one for every other token. O(N^2 + V).
     """
-    num_nodes, vocab = target_probs.shape
-    uniform, gumbel = _row_noise(key, num_nodes, vocab)  # [N] (one per node), [V]
+    num_nodes = target_probs.shape[0]
     nodes = jnp.arange(num_nodes)
     drafted = nodes > 0  # [N], the root is not a candidate
     parent = jnp.maximum(parents, 0)  # [N]
@@ -210,8 +218,9 @@ def _tree_row(
 def _tree(key, tree, node_tokens, target_probs, params, residual: Residual) -> Verdict:
     """`tree` with the residual rule as a parameter (tests swap in wrong rules)."""
     row = functools.partial(_tree_row, max_depth=tree.max_depth, residual=residual)
+    uniform, gumbel = _noise(key, params, node_tokens.shape[1], target_probs.shape[-1])
     accepted, next_token, path = jax.vmap(row)(
-        row_keys(key, node_tokens.shape[0]), tree.parents, tree.depths, tree.ancestor_mask(), node_tokens, target_probs, params.greedy
+        uniform, gumbel, tree.parents, tree.depths, tree.ancestor_mask(), node_tokens, target_probs, params.greedy
     )
     return Verdict(
         accepted=accepted,
