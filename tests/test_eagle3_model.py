@@ -1,4 +1,6 @@
-"""EAGLE-3 draft head: cached forward equals one causal block; draft/target vocabulary maps."""
+"""EAGLE-3 draft head: cached forward equals one causal block; draft/target vocabulary maps; taps."""
+
+import dataclasses
 
 import jax
 import jax.numpy as jnp
@@ -119,3 +121,10 @@ def test_draft_vocab_maps():
     np.testing.assert_array_equal(vocab.target_ids, target_ids)
     draft_ids = jnp.array([[4, 0], [1, 3]])
     np.testing.assert_array_equal(eagle3.draft_to_target(draft_ids, vocab.d2t), [[17, 0], [3, 9]])
+
+
+def test_taps_are_the_configs_else_eagle3s_default():
+    assert CONFIG.target_taps(30) == (2, 15, 27)
+    assert dataclasses.replace(CONFIG, tap_layers=(1, 4, 7)).target_taps(30) == (1, 4, 7)
+    with pytest.raises(ValueError, match="three target layers"):
+        dataclasses.replace(CONFIG, tap_layers=(1, 4))
