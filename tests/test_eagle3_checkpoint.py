@@ -282,6 +282,12 @@ def test_pickle_reader_keeps_views_and_dtypes(tmp_path):
     assert read["bf16"].dtype == ml_dtypes.bfloat16 and read["id"].dtype == np.int64 and read["flag"].dtype == np.bool_
 
 
+def test_pickle_tensor_larger_than_its_storage_is_refused(tmp_path):
+    torch.save({"x": torch.zeros(1).expand(10**6)}, tmp_path / "x.bin")  # stride 0: a crafted size could fill memory
+    with pytest.raises(ValueError, match="does not fit its storage"):
+        read_torch_pickle(tmp_path / "x.bin")
+
+
 def _edit_checkpoint(path, edit=lambda tensors: None, edit_config=lambda raw: None):
     save_eagle3(path, *_random_draft())
     tensors = read_safetensors(path / "model.safetensors")

@@ -141,8 +141,9 @@ def _rebuild_tensor(storage: np.ndarray, offset: int, size: tuple, stride: tuple
     """torch._utils._rebuild_tensor_v2 over a numpy storage: a bounds-checked strided copy."""
     size, stride = tuple(map(int, size)), tuple(map(int, stride))
     reach = int(offset) + sum((n - 1) * s for n, s in zip(size, stride))
-    if len(size) != len(stride) or min((offset, *stride)) < 0 or (math.prod(size) and reach >= storage.size):
-        raise pickle.UnpicklingError(f"a tensor of size {size}, stride {stride} at {offset} reaches outside its storage")
+    count = math.prod(size)
+    if len(size) != len(stride) or min((offset, *size, *stride)) < 0 or count > storage.size or (count and reach >= storage.size):
+        raise pickle.UnpicklingError(f"a tensor of size {size}, stride {stride} at {offset} does not fit its storage")
     view = np.lib.stride_tricks.as_strided(storage[offset:], size, [s * storage.itemsize for s in stride])
     return view.copy()
 
@@ -304,7 +305,7 @@ def config_from_json(raw: dict) -> Eagle3Config:
         rope_theta=float(rope_theta),
         rope_scaling=rope_scaling,
         max_position_embeddings=raw.get("max_position_embeddings", 8192),
-        tap_layers=None if taps is None else tuple(int(layer) + 1 for layer in taps),
+        tap_layers=None if taps is None else tuple(layer + 1 for layer in taps),
         norm_before_residual=bool(raw.get("norm_before_residual", False)),
     )
 
