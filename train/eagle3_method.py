@@ -157,6 +157,9 @@ def load_initial_draft(
     any_vocab_size: accept a different draft_vocab_size (the head is then remapped, see remap_draft_head).
     """
     config, params, vocab = load_eagle3(path, target_vocab_size=target_config.vocab_size)
+    # A draft that records no taps reads the EAGLE-3 default ones; a draft's own embedding is not trained here.
+    config = dataclasses.replace(config, tap_layers=config.target_taps(target_config.num_layers))
+    params = {name: value for name, value in params.items() if name != "embed_tokens"}
     if any_vocab_size:
         config = dataclasses.replace(config, draft_vocab_size=draft_config.draft_vocab_size)
     if config != draft_config:
