@@ -368,7 +368,8 @@ def test_graceful_shutdown_drains_then_cancels(engine, tokenizer, server):
 
 
 def test_nothing_recompiled_as_requests_came_and_went(engine, server):
-    assert compile_counts(engine) == server.compiled == [1, 1, 1]
+    # Compiled at startup: reset and prefill for the batch and for one-row admissions, one decode loop.
+    assert compile_counts(engine) == server.compiled == [2, 2, 1]
 
 
 def test_method_flag_takes_a_spec():
@@ -378,3 +379,16 @@ def test_method_flag_takes_a_spec():
     assert serve.parse_args(["--method", "ngram", "--num-spec", "5"]).spec.label == "ngram:5"
     with pytest.raises(ValueError, match="drop --num-spec"):
         serve.parse_args(["--method", "eagle3:3", "--num-spec", "4"])
+
+
+def test_loadtest_runs_on_a_tiny_model(tmp_path, capsys):
+    from infer import loadtest
+
+    out = tmp_path / "loadtest.json"
+    rows = loadtest.main(["--tiny", "--methods", "ngram:3", "--concurrency", "2", "--requests", "6",
+                          "--min-tokens", "4", "--max-tokens", "16", "--max-len", "128", "--out", str(out)])
+    assert [(r["method"], r["schedule"], r["concurrency"]) for r in rows] == [("ngram:3", "continuous", 2), ("ngram:3", "static", 2)]
+    assert all(r["requests"] == 6 and r["tokens"] > 0 and r["ttft_ms"]["p50"] > 0 and r["tau"] >= 1 for r in rows)
+    printed = capsys.readouterr().out
+    assert "TTFT ms p50/p90/p99" in printed and "greedy outputs identical across all configurations: yes" in printed
+    assert out.exists()
