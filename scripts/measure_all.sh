@@ -17,3 +17,9 @@ start=$SECONDS
 python -m infer.tune --task code --measure --markdown results/tune_code.md | tee results/tune_code.txt
 echo "tune --measure: $((SECONDS - start)) s wall" | tee -a results/tune_code.txt
 PYTHONPATH=. python scripts/bench_target.py | tee results/bench_target.txt
+# Lookahead: the W,N,G sweep beside prompt lookup, on the code set and 16 MT-bench first turns (batch 1).
+L=ar,ngram:5,lookahead:2,3,2,lookahead:4,3,4,lookahead:4,4,2,lookahead:8,3,2
+python -m infer.bench --methods $L --batch-size 1 --prompts code --max-new-tokens 128 --repeats 2 \
+    --out results/bench_lookahead_code.json | tee results/bench_lookahead_code.txt
+python -m infer.bench --methods $L --batch-size 1 --prompts mt-bench --num-prompts 16 --max-new-tokens 128 --repeats 1 \
+    --out results/bench_lookahead_mtbench.json | tee results/bench_lookahead_mtbench.txt
