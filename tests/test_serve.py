@@ -57,9 +57,21 @@ def compile_counts(engine: Engine) -> list[int]:
     return [f._cache_size() for f in (engine._reset_jit, engine._prefill_jit, engine._decode_jit)]
 
 
+CLIENTS: list[openai.OpenAI] = []
+
+
+@pytest.fixture(scope="module", autouse=True)
+def close_clients():
+    yield
+    for client in CLIENTS:
+        client.close()
+
+
 def client_for(url: str, timeout: float = 60.0) -> openai.OpenAI:
-    return openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=timeout,
-                         http_client=httpx.Client(trust_env=False))
+    client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=timeout,
+                           http_client=httpx.Client(trust_env=False))
+    CLIENTS.append(client)
+    return client
 
 
 @pytest.fixture(scope="module")
@@ -392,3 +404,24 @@ def test_loadtest_runs_on_a_tiny_model(tmp_path, capsys):
     printed = capsys.readouterr().out
     assert "TTFT ms p50/p90/p99" in printed and "greedy outputs identical across all configurations: yes" in printed
     assert out.exists()
+
+
+@pytest.mark.slow
+def test_smollm2_with_the_shipped_draft_equals_generate():
+    """The command line's engine (embedded SmolLM2, --method eagle3:3): three concurrent chats on two slots."""
+    args = serve.parse_args(["--method", "eagle3:3", "--max-batch", "2", "--max-len", "256"])
+    engine, tokenizer, name = serve.build_engine(args)
+    assert name == "SmolLM2-135M-Instruct"
+    app = create_app(engine, tokenizer, ServeOptions(model_name=name, max_batch=2))
+    assert app.state.scheduler.stager is not None  # the EAGLE-3 state's rows can be copied
+    questions = ["Repeat exactly: alpha beta gamma delta.", "What is the capital of France?", "Count from one to five."]
+    ids = [tokenizer.encode(tokenizer.chat_prompt(q)) for q in questions]
+    expected = [tokens for pair in ([ids[0], ids[1]], [ids[2], ids[2]]) for tokens in engine.generate(pair, max_new_tokens=24).tokens][:3]
+    expected = [tokenizer.decode(t[:-1] if t[-1] in engine.eos_ids else t, skip_special_tokens=True) for t in expected]
+    with ServerThread(app) as server:
+        client = client_for(server.url, timeout=300)
+        ask = lambda q: client.chat.completions.create(model=name, messages=[{"role": "user", "content": q}], max_tokens=24, temperature=0)
+        with concurrent.futures.ThreadPoolExecutor(3) as pool:
+            answers = [r.choices[0].message.content for r in pool.map(ask, questions)]
+        assert answers == expected
+        assert compile_counts(engine) == [2, 2, 1] and app.state.metrics.tau > 1.0
