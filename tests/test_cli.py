@@ -78,6 +78,15 @@ def test_inapplicable_flags_fail_before_loading(argv, message, monkeypatch):
         generate.main(argv)
 
 
+def test_max_len_beyond_the_models_positions_is_refused(monkeypatch):
+    from engine_helpers import tiny_config
+
+    config = tiny_config()  # 4096 positions
+    monkeypatch.setattr(generate.common.checkpoints, "load_model", lambda path, dtype: (config, {}))
+    with pytest.raises(ValueError, match="--max-len 8192 exceeds the model's 4096 positions"):
+        generate.main(["--max-len", "8192", "--model", "tiny"])
+
+
 def test_prompts_file_errors_name_file_and_line(tmp_path):
     path = tmp_path / "prompts.jsonl"
     path.write_text('{"prompt": "hi"}\n\n{"messages": [{"role": "system", "content": "x"}]}\n')
