@@ -14,7 +14,8 @@ Scheduling: --max-batch slots share one engine state. A scheduler thread admits 
 requests into free slots between decode calls, one admission per call while rows are running
 (a request's prompt is prefilled in the engine's fixed chunks, through a one-row state copied
 into its slot, so it costs one row and not the whole batch), then runs --steps-per-sync decode
-steps for every live row and streams what they produced. A row that finishes, hits a
+steps for every live row (one right after an admission, for a prompt first token) and streams
+what they produced. A row that finishes, hits a
 stop string or whose client goes away frees its slot for the next admission; speculation is
 per row and unchanged. Shapes never change, so nothing recompiles as requests come and go.
 A seeded request is admitted alone with its seed and samples exactly what
@@ -437,7 +438,7 @@ class Scheduler:
     def _iteration(self, cancels) -> None:
         for request, event in cancels:
             self._cancel_now(request, event)
-        idle = self.running == 0
+        idle, admitted = self.running == 0, False
         while True:
             with self.cond:
                 ready, _ = self._admissible(time.perf_counter())
@@ -445,10 +446,13 @@ class Scheduler:
             if not group:
                 break
             self._admit(group)
+            admitted = True
             if not idle and self.options.schedule == "continuous":
                 break  # one admission between decode calls: the running rows keep streaming
         if self.running:
-            self.state = self.engine.decode(self.state, self.sampling, self.options.steps_per_sync)
+            # Right after an admission one step only, so the new request's first token streams at once.
+            steps = 1 if admitted else self.options.steps_per_sync
+            self.state = self.engine.decode(self.state, self.sampling, steps)
             self._collect()
 
     def _pop_group(self) -> list[GenRequest]:
