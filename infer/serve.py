@@ -271,55 +271,6 @@ def _state_lost(state) -> bool:
     return any(x.is_deleted() for x in jax.tree.leaves(state) if isinstance(x, jax.Array))
 
 
-def _batch_axis(big, small, batch: int) -> int | None:
-    """The axis along which a state leaf of `batch` rows differs from one of a single row (None: shared)."""
-    if big.shape == small.shape:
-        return None
-    differ = [i for i, (b, s) in enumerate(zip(big.shape, small.shape)) if b != s]
-    if big.ndim != small.ndim or len(differ) != 1 or big.shape[differ[0]] != batch or small.shape[differ[0]] != 1:
-        raise ValueError(f"no batch axis in a state leaf of shape {big.shape} (one row: {small.shape})")
-    return differ[0]
-
-
-class RowStager:
-    """Admit one request through a one-row state, then copy that row into a slot of the batch.
-
-    `Engine.admit` prefills every row of the state it is given, so admitting one request into B
-    slots runs B-row prefill chunks; through a one-row state it costs one row. The copy is one
-    jitted, donated scatter along each state leaf's batch axis (found by comparing the shapes of
-    `init_state(B)` and `init_state(1)`; leaves without one, the global step counter, stay the
-    batch's). The row's random stream is the same as admitting it directly as prompt 0 with the
-    same seed, so outputs are unchanged.
-    """
-
-    def __init__(self, engine: Engine, batch: int):
-        big, small = (jax.eval_shape(lambda b=b: engine.init_state(b)) for b in (batch, 1))
-        self.axes = [_batch_axis(b, s, batch) for b, s in zip(jax.tree.leaves(big), jax.tree.leaves(small))]
-        self.engine = engine
-        self.state = engine.init_state(1)
-        self._merge_jit = jax.jit(self._merge, donate_argnums=0)
-
-    def _merge(self, batch_state, row_state, row):
-        leaves, treedef = jax.tree.flatten(batch_state)
-        merged = [
-            leaf if axis is None else jax.lax.dynamic_update_slice_in_dim(leaf, one, row, axis)
-            for leaf, one, axis in zip(leaves, jax.tree.leaves(row_state), self.axes)
-        ]
-        return jax.tree.unflatten(treedef, merged)
-
-    def admit(self, batch_state, row: int, prompt: list[int], max_new_tokens: int, seed: int):
-        """`batch_state` with `prompt` prefilled into slot `row` (donated, like `Engine.admit`)."""
-        try:
-            self.state = self.engine.admit(self.state, [0], [prompt], max_new_tokens, seed=seed)
-        finally:
-            if _state_lost(self.state):
-                self.state = self.engine.init_state(1)
-        return self._merge_jit(batch_state, self.state, jnp.int32(row))
-
-    def warmup(self, batch: int) -> None:
-        self.admit(self.engine.init_state(batch), 0, [0, 0], 1, seed=0)
-
-
 class Scheduler:
     """Continuous batching over `max_batch` slots of one engine state, in one thread."""
 
@@ -335,12 +286,6 @@ class Scheduler:
         self.rng = np.random.default_rng()
         self.thread: threading.Thread | None = None
         self.eos = set(engine.eos_ids)
-        self.stager: RowStager | None = None
-        if self.batch > 1:
-            try:
-                self.stager = RowStager(engine, self.batch)
-            except ValueError as error:  # a drafter state without a batch axis: admit into the batch directly
-                log.warning("admitting into the batch directly: %s", error)
         self._reset_state()
 
     # ---------------------------------------------------------------- called from the handlers
@@ -468,25 +413,23 @@ class Scheduler:
     def warmup(self) -> None:
         """Compile everything a request can need: the batch's functions and the one-row admission."""
         self.engine.warmup(self.batch)
-        if self.stager is not None:
-            self.stager.warmup(self.batch)
+        if self.batch > 1:
+            self.engine.admit(self.engine.init_state(self.batch), [0], [[0, 0]], 1)
 
     def _seed(self, request: GenRequest) -> int:
         return request.seed if not request.groupable else int(self.rng.integers(0, 2**32 - 1))
 
     def _admit(self, group: list[GenRequest]) -> None:
-        """Prefill `group` into free slots: a whole batch in one admission, fewer one row at a time."""
+        """Prefill `group` into free slots: a whole batch in one admission, fewer one row at a time
+        (each number of rows admitted at once compiles once)."""
+        if 1 < len(group) < self.batch:
+            for request in group:
+                self._admit([request])
+            return
         rows = [r for r, s in enumerate(self.slots) if s is None][: len(group)]
         try:
-            if self.stager is not None and len(group) < self.batch:
-                if len(group) > 1:
-                    for request in group:
-                        self._admit([request])
-                    return
-                self.state = self.stager.admit(self.state, rows[0], group[0].prompt_ids, group[0].max_tokens, self._seed(group[0]))
-            else:
-                prompts, limits = [g.prompt_ids for g in group], [g.max_tokens for g in group]
-                self.state = self.engine.admit(self.state, rows, prompts, limits, seed=self._seed(group[0]))
+            prompts, limits = [g.prompt_ids for g in group], [g.max_tokens for g in group]
+            self.state = self.engine.admit(self.state, rows, prompts, limits, seed=self._seed(group[0]))
         except Exception as error:
             log.exception("admission failed")
             if _state_lost(self.state):  # it failed after the state was donated: the batch is gone

@@ -112,8 +112,10 @@ class Engine:
         self.eos_ids = tuple(config.eos_token_ids if eos_ids is None else eos_ids)
         self.num_nodes, self.max_depth = self.drafter.num_nodes, self.drafter.max_depth
         self.drafter_params = self.drafter.params
-        self._reset_jit = jax.jit(self._reset, donate_argnums=0)
+        self._row_axes = self._find_row_axes()
+        self._fresh_jit = jax.jit(self._fresh)
         self._prefill_jit = jax.jit(self._prefill_chunk, donate_argnums=2)
+        self._place_jit = jax.jit(self._place, donate_argnums=0)
         self._decode_jit = jax.jit(self._decode, donate_argnums=2)
 
     # ----------------------------------------------------------------- traced pieces
@@ -123,26 +125,50 @@ class Engine:
             params, self.config, tokens, positions, cache, block_mask, taps=self.drafter.taps, chunk_size=self.attention_chunk
         )
 
-    def _reset(self, state: DecodeState, rows, history, prompt_lengths, max_new, seed, streams) -> DecodeState:
-        """Empty the slots rows [B] (bool) for new prompts (history [B, S], lengths and limits [B]).
+    def _find_row_axes(self) -> list[int | None]:
+        """Per leaf of DecodeState, the axis that holds the batch (None: the shared step counter).
 
-        Their pending token is the prompt's last; they stay inactive until `admit` has prefilled
-        them. Row b's random stream is fold_in(key(seed), streams[b]).
+        Found by comparing the shapes of two batch sizes; a drafter state leaf without exactly
+        one such axis is refused, since `admit` copies new rows in along it.
         """
-        pick = lambda new, old: jnp.where(rows.reshape(rows.shape + (1,) * (old.ndim - 1)), new, old)
+        two, three = (jax.eval_shape(lambda b=batch: self.init_state(b)) for batch in (2, 3))
+        axes = []
+        for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(two), jax.tree.leaves(three)):
+            differ = [i for i, (x, y) in enumerate(zip(a.shape, b.shape)) if x != y]
+            name = jax.tree_util.keystr(path)
+            if name == ".step":
+                axes.append(None)
+            elif len(differ) == 1 and a.ndim == b.ndim:
+                axes.append(differ[0])
+            else:
+                raise ValueError(f"state leaf {name} of shape {a.shape} has no single batch axis (every row's state must be its own)")
+        return axes
+
+    def _fresh(self, history, prompt_lengths, max_new, seed) -> DecodeState:
+        """A state of R new rows (history [R, S], lengths and limits [R]), active, to be prefilled.
+
+        Their pending token is the prompt's last; row i's random stream is fold_in(key(seed), i).
+        """
+        state = self.init_state(history.shape[0])
         last = jnp.take_along_axis(history, jnp.maximum(prompt_lengths - 1, 0)[:, None], 1)[:, 0]
+        streams = jnp.arange(history.shape[0])
         return state.replace(
-            cache=state.cache.reset_rows(rows),
-            history=pick(history, state.history),
-            pending=pick(last, state.pending),
-            prompt_lengths=pick(prompt_lengths, state.prompt_lengths),
-            num_generated=pick(0, state.num_generated),
-            max_new=pick(max_new, state.max_new),
-            active=pick(False, state.active),
-            drafter_state=self.drafter.reset_rows(state.drafter_state, rows),
-            keys=pick(jax.vmap(jax.random.fold_in, (None, 0))(jax.random.key(seed), streams), state.keys),
-            accepted_hist=pick(0, state.accepted_hist),
+            history=history,
+            pending=last,
+            prompt_lengths=prompt_lengths,
+            max_new=max_new,
+            active=jnp.ones_like(state.active),
+            keys=jax.vmap(jax.random.fold_in, (None, 0))(jax.random.key(seed), streams),
         )
+
+    def _place(self, state: DecodeState, new: DecodeState, rows) -> DecodeState:
+        """`state` with its rows [R] replaced by the R rows of `new` (every leaf, along its batch axis)."""
+        leaves, treedef = jax.tree.flatten(state)
+        placed = [
+            old if axis is None else old.at[(slice(None),) * axis + (rows,)].set(row)
+            for old, row, axis in zip(leaves, jax.tree.leaves(new), self._row_axes)
+        ]
+        return jax.tree.unflatten(treedef, placed)
 
     def _prefill_chunk(self, params, drafter_params, state: DecodeState, chunk: PrefillChunk) -> DecodeState:
         out = self._target(params, chunk.tokens, chunk.positions, state.cache, tree_lib.causal_mask(chunk.tokens.shape[1]))
@@ -267,46 +293,46 @@ class Engine:
     ) -> DecodeState:
         """Put `prompts` into the slots `rows` of a (possibly running) batch and prefill them.
 
-        The other rows keep their state and resume with the next `decode`. Prompt i draws from
-        the random stream (seed, i), wherever it sits: admitted alone with seed s, a prompt
+        The new rows are prefilled as a batch of their own and copied into their slots (`state` is
+        donated); the other rows keep their state and resume with the next `decode`. Prompt i draws
+        from the random stream (seed, i), wherever it sits: admitted alone with seed s, a prompt
         samples what `generate([prompt], seed=s)` samples. Prompts and limits are checked first
-        (ValueError naming the problem).
+        (ValueError naming the problem). Each number of rows admitted at once compiles once.
         """
         batch = state.pending.shape[0]
         if not 0 <= seed < 2**32:
             raise ValueError(f"seed must be in [0, 2**32), got {seed}")
         max_new = np.broadcast_to(np.asarray(max_new_tokens, np.int32), (len(prompts),))
         self._check_prompts(prompts, max_new)
+        rows = list(rows)
         if len(rows) != len(prompts) or len(set(rows)) != len(rows) or not all(0 <= r < batch for r in rows):
-            raise ValueError(f"rows {list(rows)} must be {len(prompts)} distinct slots in [0, {batch})")
+            raise ValueError(f"rows {rows} must be {len(prompts)} distinct slots in [0, {batch})")
         drafter_params = self._check_drafter_params(drafter_params)
-        selected = np.zeros(batch, bool)
-        history = np.zeros((batch, self.max_len), np.int32)  # [B, S] the new prompts, zero-padded
-        lengths = np.zeros(batch, np.int32)  # [B] prompt lengths of the admitted rows
-        limits, streams = np.zeros(batch, np.int32), np.zeros(batch, np.int32)
-        for index, (row, prompt, limit) in enumerate(zip(rows, prompts, max_new)):
-            selected[row], lengths[row], limits[row], streams[row] = True, len(prompt), limit, index
-            history[row, : len(prompt)] = prompt
-        state = self._reset_jit(
-            state, *map(jnp.asarray, (selected, history, lengths, limits)), jnp.uint32(seed), jnp.asarray(streams)
-        )
-        chunk, prefill_lengths = self.prefill_chunk, np.maximum(lengths - 1, 0)  # the last prompt token is pending
+        count = len(prompts)
+        history = np.zeros((count, self.max_len), np.int32)  # [R, S] the new prompts, zero-padded
+        lengths = np.array([len(p) for p in prompts], np.int32)  # [R]
+        for i, prompt in enumerate(prompts):
+            history[i, : len(prompt)] = prompt
+        new = self._fresh_jit(*map(jnp.asarray, (history, lengths, max_new)), jnp.uint32(seed))
+        chunk, prefill_lengths = self.prefill_chunk, lengths - 1  # the last prompt token is pending
         history_dev = jnp.asarray(history)
         for start in range(0, int(prefill_lengths.max()), chunk):
-            window = np.zeros((batch, chunk), np.int32)
+            window = np.zeros((count, chunk), np.int32)
             window[:, : min(chunk, self.max_len - start)] = history[:, start : start + chunk]
-            state = self._prefill_jit(
+            new = self._prefill_jit(
                 self.params,
                 drafter_params,
-                state,
+                new,
                 PrefillChunk(
                     tokens=jnp.asarray(window),
-                    positions=jnp.asarray(start + np.arange(chunk)[None, :].repeat(batch, 0)),
+                    positions=jnp.asarray(start + np.arange(chunk)[None, :].repeat(count, 0)),
                     num_valid=jnp.asarray(np.clip(prefill_lengths - start, 0, chunk).astype(np.int32)),
                     history=history_dev,
                 ),
             )
-        return state.replace(active=state.active | jnp.asarray(selected))
+        if rows == list(range(batch)):  # the whole batch: nothing of `state` is kept but its step count
+            return new.replace(step=state.step)
+        return self._place_jit(state, new, jnp.asarray(rows, jnp.int32))
 
     def decode(self, state: DecodeState, sampling: sampling_lib.SamplingParams, num_steps: int, drafter_params=None) -> DecodeState:
         """Up to `num_steps` decode steps on device (fewer when every row finishes); donates `state`."""

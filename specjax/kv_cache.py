@@ -36,10 +36,6 @@ class KVCache:
             lengths=jnp.zeros((batch_size,), jnp.int32),
         )
 
-    def reset_rows(self, rows: jax.Array) -> KVCache:
-        """Empty the rows where rows [B] is True (a slot taking a new sequence); nothing is cleared."""
-        return self.replace(lengths=jnp.where(rows, 0, self.lengths))
-
     @property
     def max_len(self) -> int:
         return self.k.shape[2]

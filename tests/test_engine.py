@@ -120,17 +120,22 @@ def test_bad_inputs_are_named():
 
 def test_new_prompts_do_not_recompile():
     engine = Engine(CONFIG, PARAMS, DRAFTERS["eagle3-tree"], max_len=MAX_LEN)
-    jitted = (engine._reset_jit, engine._prefill_jit, engine._decode_jit)
+    jitted = (engine._fresh_jit, engine._prefill_jit, engine._place_jit, engine._decode_jit)
     engine.generate(PROMPTS, max_new_tokens=8)
     sizes = [f._cache_size() for f in jitted]
-    assert sizes == [1, 1, 1]
+    assert sizes == [1, 1, 0, 1]  # a whole batch is prefilled as it stands: nothing to copy in
     longer = [p * 3 for p in PROMPTS]
     engine.generate(longer, SamplingParams.make(4, temperature=0.7, top_p=0.9), max_new_tokens=20, seed=3)
     engine.generate(longer, max_new_tokens=12, on_step=lambda rows: None, steps_per_sync=2)
     assert [f._cache_size() for f in jitted] == sizes
     single = engine.generate(PROMPTS[:1], max_new_tokens=8)  # a new batch size compiles once more
     assert single.tokens == engine_for(None).generate(PROMPTS[:1], max_new_tokens=8).tokens
-    assert [f._cache_size() for f in jitted] == [2, 2, 2]
+    assert [f._cache_size() for f in jitted] == [2, 2, 0, 2]
+    # One prompt into a running batch of four is prefilled as a batch of one (compiled above)
+    # and copied into its slot: one more compilation, the copy, for any slot and any prompt.
+    state = engine.admit(engine.init_state(4), [1], PROMPTS[:1], 8)
+    state = engine.admit(state, [3], [PROMPTS[2] * 2], 8)
+    assert [f._cache_size() for f in jitted] == [2, 2, 1, 2]
 
 
 @pytest.mark.parametrize("method", ["eagle3-tree", "draft-random", "eagle3-ngram-first"])

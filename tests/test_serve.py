@@ -54,7 +54,7 @@ def server(engine, tokenizer):
 
 
 def compile_counts(engine: Engine) -> list[int]:
-    return [f._cache_size() for f in (engine._reset_jit, engine._prefill_jit, engine._decode_jit)]
+    return [f._cache_size() for f in (engine._fresh_jit, engine._prefill_jit, engine._place_jit, engine._decode_jit)]
 
 
 CLIENTS: list[openai.OpenAI] = []
@@ -381,7 +381,7 @@ def test_graceful_shutdown_drains_then_cancels(engine, tokenizer, server):
 
 def test_nothing_recompiled_as_requests_came_and_went(engine, server):
     # Compiled at startup: reset and prefill for the batch and for one-row admissions, one decode loop.
-    assert compile_counts(engine) == server.compiled == [2, 2, 1]
+    assert compile_counts(engine) == server.compiled == [2, 2, 1, 1]
 
 
 def test_method_flag_takes_a_spec():
@@ -413,7 +413,6 @@ def test_smollm2_with_the_shipped_draft_equals_generate():
     engine, tokenizer, name = serve.build_engine(args)
     assert name == "SmolLM2-135M-Instruct"
     app = create_app(engine, tokenizer, ServeOptions(model_name=name, max_batch=2))
-    assert app.state.scheduler.stager is not None  # the EAGLE-3 state's rows can be copied
     questions = ["Repeat exactly: alpha beta gamma delta.", "What is the capital of France?", "Count from one to five."]
     ids = [tokenizer.encode(tokenizer.chat_prompt(q)) for q in questions]
     expected = [tokens for pair in ([ids[0], ids[1]], [ids[2], ids[2]]) for tokens in engine.generate(pair, max_new_tokens=24).tokens][:3]
@@ -424,4 +423,4 @@ def test_smollm2_with_the_shipped_draft_equals_generate():
         with concurrent.futures.ThreadPoolExecutor(3) as pool:
             answers = [r.choices[0].message.content for r in pool.map(ask, questions)]
         assert answers == expected
-        assert compile_counts(engine) == [2, 2, 1] and app.state.metrics.tau > 1.0
+        assert compile_counts(engine) == [2, 2, 1, 1] and app.state.metrics.tau > 1.0

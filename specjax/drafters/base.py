@@ -18,7 +18,6 @@ from typing import Any, Callable, Literal
 import jax
 from flax import struct
 
-from specjax.kv_cache import KVCache
 from specjax.models.llama import Taps
 from specjax.sampling import SamplingParams
 from specjax.tree import Tree
@@ -148,16 +147,11 @@ class Drafter(abc.ABC):
         """Raise ValueError if the drafter cannot serve this target (e.g. vocabulary mismatch)."""
 
     def init_state(self, batch_size: int, max_len: int) -> DrafterState:
-        """Fresh state for a batch whose target cache has max_len slots. Default: stateless."""
+        """Fresh state for a batch whose target cache has max_len slots. Default: stateless.
+
+        Every leaf is per row, with the batch on one axis: `Engine.admit` prefills new rows as a
+        batch of their own and copies them into their slots along it."""
         return ()
-
-    def reset_rows(self, state: DrafterState, rows: jax.Array) -> DrafterState:
-        """Empty the rows where rows [B] is True, for a slot that takes a new sequence.
-
-        Default: every KV cache in the state forgets those rows; other state must be rewritten
-        by `prefill` (a drafter for which that does not hold overrides this)."""
-        is_cache = lambda leaf: isinstance(leaf, KVCache)
-        return jax.tree.map(lambda x: x.reset_rows(rows) if is_cache(x) else x, state, is_leaf=is_cache)
 
     def prefill(self, params, state: DrafterState, chunk: PrefillChunk) -> DrafterState:
         """Read one chunk of the prompts. Default: nothing to read."""

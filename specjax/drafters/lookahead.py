@@ -68,10 +68,6 @@ class LookaheadDrafter(Drafter):
             count=zeros(self.vocab_size), head=zeros(self.vocab_size),
         )
 
-    def reset_rows(self, state: LookaheadState, rows) -> LookaheadState:
-        forget = lambda x: jnp.where(rows.reshape((-1,) + (1,) * (x.ndim - 1)), 0, x)
-        return state.replace(levels=forget(state.levels), count=forget(state.count), head=forget(state.head))
-
     def propose(self, params, state: LookaheadState, key, ctx, sampling):
         batch, depth, guesses = ctx.pending.shape[0], self.ngram - 1, self.guesses
         rows = jnp.arange(batch)

@@ -53,9 +53,6 @@ class NgramFirst(Drafter):
     def init_state(self, batch_size: int, max_len: int):
         return self.fallback.init_state(batch_size, max_len)
 
-    def reset_rows(self, state, rows):
-        return self.fallback.reset_rows(state, rows)
-
     def prefill(self, params, state, chunk):
         return self.fallback.prefill(params, state, chunk)
 
