@@ -41,10 +41,8 @@ def autoregressive():
 
 @pytest.mark.parametrize("method", sorted(DRAFTERS))
 def test_greedy_speculative_equals_autoregressive(method, autoregressive):
-    engine = engine_for(method)
-    single = engine.generate(PROMPTS[:1], max_new_tokens=NEW_TOKENS)
-    assert single.tokens[0] == autoregressive[0]
-    batch = engine.generate(PROMPTS, max_new_tokens=NEW_TOKENS)
+    """Each row of a batch of four equals its prompt decoded alone, autoregressively."""
+    batch = engine_for(method).generate(PROMPTS, max_new_tokens=NEW_TOKENS)
     assert batch.tokens == autoregressive
     assert all(len(t) == NEW_TOKENS for t in batch.tokens)
     assert batch.calls.sum() > 0

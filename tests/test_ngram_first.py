@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import functools
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -65,7 +63,6 @@ def test_needs_a_chain_drafter():
         NgramFirst(eagle3_drafter(CONFIG, PARAMS, depth=3), min_ngram=4, max_ngram=2)
 
 
-@functools.cache
 def sampling_engine(fallback: str) -> Engine:
     """min_ngram 1 on a 12-token vocabulary: rows switch between lookup and the fallback every step.
 
@@ -78,9 +75,9 @@ def sampling_engine(fallback: str) -> Engine:
     return Engine(sampling.CONFIG, sampling.PARAMS, NgramFirst(drafter, min_ngram=1), max_len=sampling.MAX_LEN, eos_ids=())
 
 
-@pytest.mark.parametrize("setting", sorted(sampling.SETTINGS))
 @pytest.mark.parametrize("fallback", ["eagle3", "draft"])
-def test_first_three_tokens_follow_the_target(fallback, setting):
-    """The engine-level chi-square check of test_engine_sampling.py, for n-gram-first drafting."""
-    samples = sampling.sample_joint(sampling_engine(fallback), sampling.SETTINGS[setting], seed=11)
-    assert chi_square_pvalue(samples, sampling.exact_joint(sampling.SETTINGS[setting])) > 1e-4
+def test_first_three_tokens_follow_the_target(fallback):
+    """The engine-level chi-square check of test_engine_sampling.py, for n-gram-first drafting at
+    temperature 1 (truncated target distributions meet the same rules there, over each fallback)."""
+    samples = sampling.sample_joint(sampling_engine(fallback), sampling.SETTINGS["t1"], seed=11)
+    assert chi_square_pvalue(samples, sampling.exact_joint(sampling.SETTINGS["t1"])) > 1e-4

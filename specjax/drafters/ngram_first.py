@@ -66,20 +66,19 @@ class NgramFirst(Drafter):
         sampled = probe.rule == "rejection"
         one_hot = lambda tokens: jax.nn.one_hot(tokens, probe.draft_probs.shape[-1], dtype=probe.draft_probs.dtype)
 
-        def lookup_only():
-            return state, looked_up, one_hot(looked_up) if sampled else None
-
         def with_fallback():
             new_state, proposal = self.fallback.propose(params, state, key, ctx, sampling)
             tokens = jnp.where(use_lookup[:, None], looked_up, proposal.tokens[:, 1:])  # [B, D]
             if not sampled:
-                return new_state, tokens, None
-            return new_state, tokens, jnp.where(use_lookup[:, None, None], one_hot(looked_up), proposal.draft_probs)
+                return new_state, (tokens, None)
+            return new_state, (tokens, jnp.where(use_lookup[:, None, None], one_hot(looked_up), proposal.draft_probs))
 
         if self.propose_changes_state:  # the fallback must draft every step to keep its state
-            state, drafted, draft_probs = with_fallback()
-        else:  # skip the fallback's drafting forwards when no live row needs them
-            state, drafted, draft_probs = jax.lax.cond(jnp.all(use_lookup | ~ctx.active), lookup_only, with_fallback)
+            state, (drafted, draft_probs) = with_fallback()
+        else:  # skip the fallback's drafting forwards when no live row needs them; only the
+            # drafts pass through the cond, not the unchanged state (XLA would copy its caches)
+            lookup_only = lambda: (looked_up, one_hot(looked_up) if sampled else None)
+            drafted, draft_probs = jax.lax.cond(jnp.all(use_lookup | ~ctx.active), lookup_only, lambda: with_fallback()[1])
         tokens = jnp.concatenate([ctx.pending[:, None], drafted], axis=1)  # [B, D + 1]
         return state, Proposal(tree=tree_lib.chain(batch, depth), tokens=tokens, draft_probs=draft_probs, rule=probe.rule)
 
