@@ -106,7 +106,6 @@ def bench_batch_size(engines: dict[MethodSpec, Engine], batches, args) -> list[d
             "t_decode_ms": timings["decode"] * 1e3,
             "t_verify_ms": timings["verify"] * 1e3,
             "t_draft_ms": timings["draft"] * 1e3,
-            "t_step_ms": timings["step"] * 1e3,
         })
     return results
 

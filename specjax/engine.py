@@ -427,8 +427,7 @@ class Engine:
         """Median seconds of the pieces of one decode step, after prefilling `prompts` (warm).
 
         decode: a 1-token target forward; verify: the target over this method's N nodes (and
-        auxiliary nodes);
-        draft: one `propose`; step: one whole decode step (draft, verify, commit, update).
+        auxiliary nodes); draft: one `propose`.
         The pieces are timed round-robin, so a drifting machine load shifts them alike and
         their ratios (c, T_verify / T_decode) stay stable.
         """
@@ -451,7 +450,6 @@ class Engine:
             "decode": (jax.jit(target_over, static_argnums=2), (self.params, state, 1)),
             "verify": (jax.jit(target_over, static_argnums=2), (self.params, state, self.num_nodes + self.drafter.num_aux)),
             "draft": (jax.jit(draft), (self.params, self.drafter_params, state)),
-            "step": (jax.jit(self._step), (self.params, self.drafter_params, state, sampling)),
         }
         for fn, args in pieces.values():
             jax.block_until_ready(fn(*args))  # compile
