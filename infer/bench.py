@@ -24,7 +24,7 @@ from infer import common
 from infer import prompts as prompt_sets
 from specjax import theory
 from specjax.drafters.registry import MethodSpec
-from specjax.engine import Engine
+from specjax.engine import Engine, Stats
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -59,14 +59,9 @@ def split_methods(text: str) -> list[MethodSpec]:
 
 
 def timed_pass(engine: Engine, batches: list[list[list[int]]], sampling, max_new_tokens: int, seed: int = 0):
-    """One pass over every batch: (decode seconds, decoded tokens, accepted-length histogram)."""
-    seconds, tokens, hist = 0.0, 0, 0
-    for batch in batches:
-        stats = engine.generate(batch, sampling, max_new_tokens=max_new_tokens, seed=seed)
-        seconds += stats.decode_s
-        tokens += stats.num_generated
-        hist = hist + stats.accepted_hist.sum(0)
-    return seconds, tokens, hist
+    """One pass over every batch: (decode seconds, decoded tokens, the batches' Stats)."""
+    runs = [engine.generate(batch, sampling, max_new_tokens=max_new_tokens, seed=seed) for batch in batches]
+    return sum(r.decode_s for r in runs), sum(r.num_generated for r in runs), runs
 
 
 def interleaved_passes(engines: dict[MethodSpec, Engine], batches, sampling, max_new_tokens: int, repeats: int, seed: int = 0) -> dict:
@@ -91,18 +86,23 @@ def bench_batch_size(engines: dict[MethodSpec, Engine], batches, args) -> list[d
     results = []
     for spec, engine in engines.items():
         seconds = float(np.median([p[0] for p in passes[spec]]))
-        _, tokens, hist = passes[spec][-1]
+        _, tokens, runs = passes[spec][-1]
+        stats = Stats(  # the last pass's batches as one
+            accepted_hist=np.concatenate([r.accepted_hist for r in runs]), reached=np.concatenate([r.reached for r in runs]),
+            prefill_s=0.0, decode_s=seconds, tokens=[t for r in runs for t in r.tokens],
+        )
         timings = engine.profile_step(batches[0], sampling)
-        reached = np.cumsum(hist[::-1])[::-1]
         results.append({
             "method": spec.label,
             "batch_size": batch_size,
             "decode_s": seconds,
             "tokens": int(tokens),
             "tokens_per_s": tokens / seconds,
-            "tau": float((hist * (np.arange(hist.size) + 1)).sum() / max(hist.sum(), 1)),
-            "block": engine.num_nodes + engine.drafter.num_aux,  # tokens in the verifying forward
-            "acceptance_by_position": (reached[1:] / np.maximum(reached[:-1], 1)).tolist(),
+            "tau": stats.tau,
+            "block": engine.num_nodes + engine.drafter.num_aux,  # tokens in the verifying forward (the largest, if adaptive)
+            "acceptance_by_position": stats.acceptance_by_position.tolist(),
+            "drafting_share": stats.drafting_share,  # verifier calls that verified drafts (adaptive: below 1)
+            "adaptive": engine.drafter.variants is not None,
             "t_decode_ms": timings["decode"] * 1e3,
             "t_verify_ms": timings["verify"] * 1e3,
             "t_draft_ms": timings["draft"] * 1e3,
@@ -119,18 +119,22 @@ def summarise(results: list[dict]) -> None:
         r["c"] = r["t_draft_ms"] / r["t_decode_ms"]
         r["verify_over_decode"] = r["t_verify_ms"] / r["t_decode_ms"]
         draft_ms = r["t_draft_ms"] if r["method"] != "ar" else 0.0
-        r["bound"] = theory.cost_model_bound(r["tau"], r["t_decode_ms"], r["t_verify_ms"], draft_ms)
-        r["fraction_of_bound"] = r["speedup"] / r["bound"]
+        # The bound prices every step at the full block; an adaptive method's steps vary, so it has none.
+        r["bound"] = None if r["adaptive"] else theory.cost_model_bound(r["tau"], r["t_decode_ms"], r["t_verify_ms"], draft_ms)
+        r["fraction_of_bound"] = None if r["adaptive"] else r["speedup"] / r["bound"]
 
 
 def table(results: list[dict]) -> str:
-    header = f"{'method':<16}{'batch':>6}{'tau':>7}{'tok/s':>9}{'speedup':>9}{'c':>7}{'Tv/Td':>7}{'bound':>7}{'of bound':>9}  acceptance by position"
+    header = (f"{'method':<16}{'batch':>6}{'tau':>7}{'tok/s':>9}{'speedup':>9}{'c':>7}{'Tv/Td':>7}{'bound':>7}{'of bound':>9}"
+              f"{'drafted':>9}  acceptance by position")
     lines = [header, "-" * len(header)]
+    number = lambda x: "-" if x is None else f"{x:.2f}"
     for r in results:
         accept = " ".join(f"{a:.2f}" for a in r["acceptance_by_position"])
         lines.append(
             f"{r['method']:<16}{r['batch_size']:>6}{r['tau']:>7.2f}{r['tokens_per_s']:>9.1f}{r['speedup']:>9.2f}"
-            f"{r['c']:>7.2f}{r['verify_over_decode']:>7.2f}{r['bound']:>7.2f}{r['fraction_of_bound']:>9.2f}  {accept}"
+            f"{r['c']:>7.2f}{r['verify_over_decode']:>7.2f}{number(r['bound']):>7}{number(r['fraction_of_bound']):>9}"
+            f"{r['drafting_share']:>9.2f}  {accept}"
         )
     return "\n".join(lines)
 

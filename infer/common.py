@@ -80,6 +80,8 @@ def add_method_args(parser: argparse.ArgumentParser) -> None:
     spec.add_argument("--tree", type=_shape_arg(TREE), default=None, help=f"an EAGLE-2 dynamic tree {TREE} (eagle3)")
     spec.add_argument("--lookahead", type=_shape_arg(LOOKAHEAD), default=None, help=f"{LOOKAHEAD} (lookahead)")
     spec.add_argument("--min-ngram", type=POSITIVE_INT, default=None, help="shortest suffix match for prompt lookup")
+    spec.add_argument("--auto", action="store_true", help="adaptive draft length: each step drafts 0 .. --num-spec "
+                      "tokens, whatever pays (chain methods: ngram, eagle3, eagle3+ngram)")
 
 
 def _shape_arg(name: str):
@@ -108,7 +110,7 @@ def method_spec(args: argparse.Namespace) -> MethodSpec:
     for flag, _, name in shapes:
         if (METHODS[args.method].shape or ("",))[0] != name:
             raise ValueError(f"{flag} does not apply to --method {args.method}")
-    spec = MethodSpec(args.method, args.num_spec, shapes[0][1] if shapes else None, args.min_ngram)
+    spec = MethodSpec(args.method, args.num_spec, shapes[0][1] if shapes else None, args.min_ngram, args.auto)
     check_draft_flag(args, [spec])
     return spec
 
@@ -133,7 +135,7 @@ def load_target(args: argparse.Namespace) -> tuple[ModelConfig, dict, Tokenizer]
 def build_drafter(spec: MethodSpec, args: argparse.Namespace, config: ModelConfig, params) -> Drafter:
     """The spec's drafter; --draft goes to the methods that draft with one."""
     draft = args.draft if spec.info.draft else None
-    return spec.info.build(spec, BuildContext(config, params, draft, DTYPES[args.dtype]))
+    return spec.build(BuildContext(config, params, draft, DTYPES[args.dtype]))
 
 
 def method_summary(label: str, stats: Stats, compile_s: float) -> str:
@@ -150,4 +152,6 @@ def method_summary(label: str, stats: Stats, compile_s: float) -> str:
             f"tau {stats.tau:.2f} tokens/verifier call | {int(np.sum(stats.calls))} calls | "
             f"acceptance by position: {per_position}"
         )
+    if stats.drafting_share < 1.0 and stats.accepted_hist.shape[-1] > 1:
+        lines.append(f"adaptive draft length: drafted in {stats.drafting_share:.0%} of verifier calls")
     return "\n".join(lines)

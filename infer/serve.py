@@ -144,6 +144,7 @@ class Metrics:
         self.prompt_tokens = 0
         self.generated_tokens = 0
         self.accepted_hist = np.zeros(num_draft + 1, np.int64)  # verifier calls by accepted drafts
+        self.reached = np.zeros(num_draft, np.int64)  # verifier calls that verified draft position i
         self.recent: collections.deque[tuple[float, int]] = collections.deque()  # (time, tokens)
         self.ttft = Histogram(LATENCY_BUCKETS)
         self.itl = Histogram(LATENCY_BUCKETS)
@@ -178,8 +179,8 @@ class Metrics:
 
     @property
     def acceptance_by_position(self) -> np.ndarray:
-        reached = np.cumsum(self.accepted_hist[::-1])[::-1]
-        return reached[1:] / np.maximum(reached[:-1], 1)
+        accepted = np.cumsum(self.accepted_hist[::-1])[::-1][1:]  # calls with accepted > i
+        return accepted / np.maximum(self.reached, 1)
 
     def render(self, queue_length: int, running: int, slots: int) -> str:
         now = time.perf_counter()
@@ -339,7 +340,7 @@ class Scheduler:
     def _reset_state(self) -> None:
         b = self.batch
         self.state = self.engine.init_state(b)
-        self.seen_hist = np.zeros((b, self.engine.max_depth + 1), np.int64)
+        self.seen_hist = np.zeros((b, 2 * self.engine.max_depth + 1), np.int64)  # accepted_hist | reached
         self.temperature, self.top_p = np.zeros(b, np.float32), np.ones(b, np.float32)
         self.top_k, self.min_p = np.zeros(b, np.int32), np.zeros(b, np.float32)
         self.sampling = self._sampling()
@@ -456,11 +457,12 @@ class Scheduler:
         """After a decode call: statistics, new text for every running request, finished rows freed."""
         outputs = self.engine.outputs(self.state)
         active = np.asarray(self.state.active)
-        hist = np.asarray(self.state.accepted_hist).astype(np.int64)
-        delta = hist - self.seen_hist
+        hist = np.concatenate([np.asarray(self.state.accepted_hist), np.asarray(self.state.reached)], 1).astype(np.int64)
+        delta = np.maximum(hist - self.seen_hist, 0).sum(0)
         self.seen_hist = hist
         with self.metrics.lock:
-            self.metrics.accepted_hist += np.maximum(delta, 0).sum(0)
+            self.metrics.accepted_hist += delta[: self.engine.max_depth + 1]
+            self.metrics.reached += delta[self.engine.max_depth + 1 :]
         now = time.perf_counter()
         for row, request in enumerate(self.slots):
             if request is None:
@@ -915,6 +917,7 @@ def _split_method(argv: list[str]) -> list[str]:
             if ("--num-spec" in argv or "--tree" in argv) and params:
                 raise ValueError(f"--method {value} already sets the drafted tokens; drop --num-spec / --tree")
             out += ["--tree", ",".join(map(str, spec.tree))] if spec.tree else ["--num-spec", str(spec.num_spec)]
+            out += ["--auto"] if spec.adaptive else []
     return out
 
 

@@ -29,6 +29,7 @@ from specjax import kv_cache as kv
 from specjax import sampling as sampling_lib
 from specjax import tree as tree_lib
 from specjax import verify
+from specjax.drafters import adaptive
 from specjax.drafters.autoregressive import Autoregressive
 from specjax.drafters.base import Commit, Drafter, PrefillChunk, Proposal, StepContext
 from specjax.models import llama
@@ -48,6 +49,8 @@ class DecodeState:
     keys: jax.Array  # [B] each row's random stream; step k of row b uses fold_in(keys[b], k)
     step: jax.Array  # [] decode steps taken
     accepted_hist: jax.Array  # [B, D + 1] verifier calls per accepted-draft count
+    reached: jax.Array  # [B, D] verifier calls that verified draft position i
+    accept_stats: jax.Array  # [B, 2] decayed (accepted, tried) draft positions, for adaptive depth
 
 
 @dataclasses.dataclass
@@ -55,6 +58,7 @@ class Stats:
     """Decode statistics of one generate call; rows that finished early stop counting."""
 
     accepted_hist: np.ndarray  # [B, D + 1] verifier calls by number of accepted drafts
+    reached: np.ndarray  # [B, D] verifier calls that verified draft position i
     prefill_s: float
     decode_s: float
     tokens: list[list[int]]
@@ -71,10 +75,15 @@ class Stats:
 
     @property
     def acceptance_by_position(self) -> np.ndarray:
-        """[D] P(draft position i accepted | position i reached), over the batch."""
+        """[D] P(draft position i accepted | position i verified), over the batch."""
         hist = self.accepted_hist.sum(0)  # [D + 1]
-        reached = np.cumsum(hist[::-1])[::-1]  # reached[i] = calls with accepted >= i
-        return reached[1:] / np.maximum(reached[:-1], 1)
+        accepted = np.cumsum(hist[::-1])[::-1][1:]  # [D] calls with accepted > i
+        return accepted / np.maximum(self.reached.sum(0), 1)
+
+    @property
+    def drafting_share(self) -> float:
+        """Share of verifier calls that verified any draft (below 1 only for adaptive depth)."""
+        return float(self.reached[:, 0].sum() / max(self.accepted_hist.sum(), 1)) if self.reached.size else 0.0
 
     @property
     def num_generated(self) -> int:
@@ -112,6 +121,7 @@ class Engine:
         self.eos_ids = tuple(config.eos_token_ids if eos_ids is None else eos_ids)
         self.num_nodes, self.max_depth = self.drafter.num_nodes, self.drafter.max_depth
         self.drafter_params = self.drafter.params
+        self._depth_costs: dict[int, jax.Array] = {}  # adaptive drafters: measured per batch size
         self._row_axes = self._find_row_axes()
         self._fresh_jit = jax.jit(self._fresh)
         self._prefill_jit = jax.jit(self._prefill_chunk, donate_argnums=2)
@@ -207,7 +217,10 @@ class Engine:
         )
         return tree_out, {"aux_logits": out.logits[:, num_nodes:]}
 
-    def _step(self, params, drafter_params, state: DecodeState, sampling) -> DecodeState:
+    def _step(self, params, drafter_params, state: DecodeState, sampling, drafter: Drafter | None = None) -> DecodeState:
+        """One draft -> verify -> commit step with `drafter` (default: the engine's; an adaptive
+        drafter's variant for one depth)."""
+        drafter = drafter or self.drafter
         # Per-row keys, advanced by the row's own verifier calls: a row's draws do not depend on
         # its slot, its batch or the step at which it was admitted.
         keys = jax.vmap(jax.random.fold_in)(state.keys, state.accepted_hist.sum(-1))  # [B]
@@ -215,7 +228,7 @@ class Engine:
         cache = state.cache
         ctx = StepContext(pending=state.pending, lengths=cache.lengths, history=state.history, active=state.active)
 
-        drafter_state, proposal = self.drafter.propose(drafter_params, state.drafter_state, draft_key, ctx, sampling)
+        drafter_state, proposal = drafter.propose(drafter_params, state.drafter_state, draft_key, ctx, sampling)
         tree = proposal.tree
         out, aux = self._target_over(params, cache, proposal)
         verdict = self._verify(verify_key, proposal, sampling_lib.probs(out.logits, sampling), sampling)
@@ -242,24 +255,35 @@ class Engine:
         num_generated = state.num_generated + commit.num_committed
         hit_eos = jnp.any(self._is_eos(commit.emitted) & valid, axis=1)
         hist_update = jax.nn.one_hot(accepted, self.max_depth + 1, dtype=jnp.int32) * state.active[:, None]
+        position = jnp.arange(self.max_depth)  # [D]
+        reached = state.active[:, None] & (position < drafter.max_depth) & (position <= accepted[:, None])
         return state.replace(
             cache=cache,
             history=history,
             pending=jnp.where(state.active, verdict.next_token, state.pending),
             num_generated=num_generated,
             active=state.active & ~hit_eos & (num_generated < state.max_new),
-            drafter_state=self.drafter.update(drafter_params, drafter_state, ctx, proposal, commit, out.features, **aux),
+            drafter_state=drafter.update(drafter_params, drafter_state, ctx, proposal, commit, out.features, **aux),
             step=state.step + 1,
             accepted_hist=state.accepted_hist + hist_update,
+            reached=state.reached + reached,
+            accept_stats=adaptive.observe(state.accept_stats, accepted, drafter.max_depth, state.active),
         )
 
-    def _decode(self, params, drafter_params, state: DecodeState, sampling, stop_step) -> DecodeState:
-        """Decode until every row is done or `stop_step` steps were taken (no host sync inside)."""
-        return jax.lax.while_loop(
-            lambda s: jnp.any(s.active) & (s.step < stop_step),
-            lambda s: self._step(params, drafter_params, s, sampling),
-            state,
-        )
+    def _decode(self, params, drafter_params, state: DecodeState, sampling, stop_step, depth_costs) -> DecodeState:
+        """Decode until every row is done or `stop_step` steps were taken (no host sync inside).
+
+        An adaptive drafter's step runs at the depth `adaptive.choose_depth` picks from the rows'
+        acceptance so far and depth_costs [D + 1] (one compiled variant per depth)."""
+        variants = self.drafter.variants
+
+        def step(s: DecodeState) -> DecodeState:
+            if variants is None:
+                return self._step(params, drafter_params, s, sampling)
+            branches = [lambda s, v=v: self._step(params, drafter_params, s, sampling, v) for v in variants]
+            return jax.lax.switch(adaptive.choose_depth(s.accept_stats, s.active, depth_costs), branches, s)
+
+        return jax.lax.while_loop(lambda s: jnp.any(s.active) & (s.step < stop_step), step, state)
 
     # ----------------------------------------------------------------- state API
 
@@ -280,6 +304,8 @@ class Engine:
             keys=jax.random.split(jax.random.key(0), batch_size),  # replaced by `admit`
             step=jnp.zeros((), jnp.int32),
             accepted_hist=jnp.zeros((batch_size, self.max_depth + 1), jnp.int32),
+            reached=jnp.zeros((batch_size, self.max_depth), jnp.int32),
+            accept_stats=jnp.zeros((batch_size, 2), jnp.float32),
         )
 
     def admit(
@@ -339,7 +365,23 @@ class Engine:
         if num_steps < 1:
             raise ValueError(f"num_steps must be >= 1, got {num_steps}")
         drafter_params = self._check_drafter_params(drafter_params)
-        return self._decode_jit(self.params, drafter_params, state, sampling, state.step + num_steps)
+        costs = self.depth_costs(state.pending.shape[0])
+        return self._decode_jit(self.params, drafter_params, state, sampling, state.step + num_steps, costs)
+
+    def depth_costs(self, batch_size: int) -> jax.Array:
+        """[D + 1] step cost at each depth relative to a decode step, for an adaptive drafter: its
+        own fixed costs, else measured once per batch size (`profile_step` on a synthetic prompt)."""
+        if self.drafter.variants is None:
+            return jnp.ones((1,), jnp.float32)  # unused
+        if self.drafter.costs is not None:
+            return jnp.asarray(self.drafter.costs)
+        if batch_size not in self._depth_costs:
+            length = max(1, min(64, self.max_len // 4))
+            prompt = [int(t) for t in np.random.default_rng(0).integers(0, self.config.vocab_size, length)]
+            t = self.profile_step([prompt] * batch_size, repeats=10)
+            costs = adaptive.linear_costs(t["decode"], t["verify"], t["draft"], self.max_depth)
+            self._depth_costs[batch_size] = jnp.asarray(costs, jnp.float32)
+        return self._depth_costs[batch_size]
 
     # ----------------------------------------------------------------- host driver
 
@@ -419,7 +461,10 @@ class Engine:
                 break
         tokens = self.outputs(state)
         t2 = time.perf_counter()
-        return Stats(accepted_hist=np.asarray(state.accepted_hist), prefill_s=t1 - t0, decode_s=t2 - t1, tokens=tokens)
+        return Stats(
+            accepted_hist=np.asarray(state.accepted_hist), reached=np.asarray(state.reached),
+            prefill_s=t1 - t0, decode_s=t2 - t1, tokens=tokens,
+        )
 
     def profile_step(
         self, prompts: list[list[int]], sampling=None, repeats: int = 20, seed: int = 0

@@ -6,6 +6,7 @@ import jax
 import jax.numpy as jnp
 
 from specjax import tree as tree_lib
+from specjax.drafters.adaptive import AdaptiveDepth
 from specjax.drafters.base import Drafter, Proposal
 from specjax.drafters.draft_model import DraftModelDrafter
 from specjax.drafters.eagle3 import Eagle3Drafter
@@ -99,6 +100,9 @@ class OracleTreeDrafter(Drafter):
         return state, Proposal(tree=tree, tokens=jnp.concatenate([ctx.pending[:, None], tokens], 1))
 
 
+ADAPTIVE_COSTS = [1.0, 1.3, 1.6, 1.9]  # step cost at draft depth 0 .. 3, relative to a decode step
+
+
 def all_drafters(config: ModelConfig, params) -> dict[str, Drafter]:
     """Every method, with an untrained draft (many rejections) and one that agrees with the target."""
     draft_config = tiny_config(config.vocab_size, num_layers=1, hidden_size=16)
@@ -109,6 +113,9 @@ def all_drafters(config: ModelConfig, params) -> dict[str, Drafter]:
         "eagle3-chain": eagle3_drafter(config, params, depth=3),
         "eagle3-tree": eagle3_drafter(config, params, depth=3, top_k=2, nodes=6),
         "eagle3-ngram-first": NgramFirst(eagle3_drafter(config, params, depth=3), min_ngram=2),
+        # Adaptive draft length with fixed costs (steps get dearer with depth): the depth varies.
+        "eagle3-auto": AdaptiveDepth(eagle3_drafter(config, params, depth=3), costs=ADAPTIVE_COSTS),
+        "eagle3-ngram-auto": AdaptiveDepth(NgramFirst(eagle3_drafter(config, params, depth=3), min_ngram=2), costs=ADAPTIVE_COSTS),
         "draft-ngram-first": NgramFirst(DraftModelDrafter(draft_config, tiny_params(draft_config, 3), num_draft=3), min_ngram=2),
         "oracle-tree": OracleTreeDrafter(config, params, depth=3),
         "lookahead": LookaheadDrafter(config.vocab_size, window=3, ngram=3, guesses=2),

@@ -5,7 +5,7 @@ empirical joint distribution of (t1, t2, t3) is compared, by chi-square, with th
 enumerated from the target: q(t1) q(t2 | t1) q(t3 | t1, t2), where q is the processed
 distribution (`sampling.probs`). Chain (a sampled draft model, Leviathan rule) and tree (an
 EAGLE-2 tree from a random EAGLE-3 head, point-mass rule; Lookahead's pool n-grams with its
-window riding along), at temperature 1 and with top-p
+window riding along; an EAGLE-3 chain of adaptive length), at temperature 1 and with top-p
 (n-gram-first drafting: test_ngram_first.py, same check).
 A deliberately broken commit must fail the same check.
 """
@@ -22,6 +22,7 @@ import pytest
 
 from engine_helpers import eagle3_drafter, tiny_config, tiny_params
 from specjax import kv_cache
+from specjax.drafters.adaptive import AdaptiveDepth
 from specjax.drafters.draft_model import DraftModelDrafter
 from specjax.drafters.lookahead import LookaheadDrafter
 from specjax.engine import Engine
@@ -66,6 +67,8 @@ def make_engine(method: str) -> Engine:
         "chain": lambda: DraftModelDrafter(DRAFT_CONFIG, DRAFT_PARAMS, num_draft=2),
         "tree": lambda: eagle3_drafter(CONFIG, PARAMS, depth=2, top_k=2, nodes=4),
         "lookahead": lambda: LookaheadDrafter(VOCAB, window=2, ngram=3, guesses=2),
+        # The engine picks the chain's length (0, 1 or 2) every step from the rows' acceptance.
+        "auto": lambda: AdaptiveDepth(eagle3_drafter(CONFIG, PARAMS, depth=2), costs=[1.0, 1.2, 1.4]),
     }[method]()
     return Engine(CONFIG, PARAMS, drafter, max_len=MAX_LEN, eos_ids=())
 
@@ -78,6 +81,12 @@ cached_engine = functools.cache(make_engine)  # one compilation per method, shar
 def test_first_three_tokens_follow_the_target(method, setting):
     samples = sample_joint(cached_engine(method), SETTINGS[setting], seed=11)
     assert chi_square_pvalue(samples, exact_joint(SETTINGS[setting])) > 1e-4
+
+
+def test_adaptive_draft_length_follows_the_target():
+    engine = cached_engine("auto")
+    samples = sample_joint(engine, SETTINGS["t1"], seed=11)
+    assert chi_square_pvalue(samples, exact_joint(SETTINGS["t1"])) > 1e-4
 
 
 def test_broken_commit_is_detected(monkeypatch):

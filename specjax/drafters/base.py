@@ -178,6 +178,14 @@ class Drafter(abc.ABC):
         Default: nothing."""
         return state
 
+    #: For an adaptive drafter (`drafters.adaptive`): its variants at depth 0 .. D, one per step size.
+    variants: tuple[Drafter, ...] | None = None
+
+    def at_depth(self, depth: int) -> Drafter:
+        """This drafter proposing a chain of `depth` drafts (0: the pending token alone) with the
+        same params and state layout, for `NAME:auto`. Default: not possible."""
+        raise ValueError(f"{type(self).__name__} cannot change its draft length per step (no :auto)")
+
 
 class ChainDrafter(Drafter):
     """A drafter proposing a chain of `num_draft` tokens: N = num_draft + 1 nodes."""

@@ -14,6 +14,7 @@ point-mass tree rule. K = 1 gives a greedy chain of D tokens.
 
 from __future__ import annotations
 
+import copy
 import importlib.resources
 from pathlib import Path
 
@@ -27,7 +28,7 @@ from specjax.drafters.base import TREE, Commit, Drafter, Method, PrefillChunk, P
 from specjax.models import eagle3
 from specjax.models.config import ModelConfig
 from specjax.models.llama import Taps
-from specjax.tree import Tree, ancestor_mask, causal_mask, pool_size
+from specjax.tree import Tree, ancestor_mask, causal_mask, chain, pool_size
 
 
 def default_draft_path() -> Path:
@@ -69,6 +70,13 @@ class Eagle3Drafter(Drafter):
         self.depth, self.top_k, self.tree_nodes, self.chunk_size = depth, top_k, tree_nodes, chunk_size
         self.taps = Taps(layer_inputs=tuple(feature_layers))
         self.params = {"head": head_params, "d2t": vocab.d2t, "embed_tokens": embed_tokens}
+
+    def at_depth(self, depth: int) -> Eagle3Drafter:
+        if self.top_k != 1:
+            raise ValueError("an EAGLE-2 tree has no adaptive depth; use a chain (eagle3:auto)")
+        variant = copy.copy(self)
+        variant.depth = variant.tree_nodes = depth
+        return variant
 
     def params_with_head(self, head_params: eagle3.Params):
         """This drafter's params pytree with other head weights (e.g. a draft being trained)."""
@@ -148,6 +156,8 @@ class Eagle3Drafter(Drafter):
         """The EAGLE-2 tree (a chain for top_k 1) grown from the newest entry's output."""
         cache, hidden, logits = state.cache, state.hidden, state.logits  # [B, H], [B, Vd]
         batch = ctx.pending.shape[0]
+        if self.depth == 0:  # an adaptive step that drafts nothing
+            return Proposal(tree=chain(batch, 0), tokens=ctx.pending[:, None])
         k = self.top_k
         # Pool of candidates, level by level: draft ids, parent pool index (-1: root), score, depth.
         scores, ids = jax.lax.top_k(jax.nn.log_softmax(logits, -1), k)  # [B, K]

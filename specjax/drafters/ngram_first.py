@@ -53,6 +53,9 @@ class NgramFirst(Drafter):
     def init_state(self, batch_size: int, max_len: int):
         return self.fallback.init_state(batch_size, max_len)
 
+    def at_depth(self, depth: int) -> NgramFirst:
+        return NgramFirst(self.fallback.at_depth(depth), min_ngram=self.min_ngram, max_ngram=self.max_ngram)
+
     def prefill(self, params, state, chunk):
         return self.fallback.prefill(params, state, chunk)
 

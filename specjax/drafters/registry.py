@@ -1,8 +1,9 @@
 """Every decoding method by name, and the spec syntax the command lines share.
 
-A spec is `NAME` (the method's defaults), `NAME:N` (N drafted tokens per step) or, for a method
-that takes three numbers, `NAME:A,B,C` (`eagle3:DEPTH,TOPK,NODES`, an EAGLE-2 dynamic tree;
-`lookahead:WINDOW,NGRAM,GUESSES`). Adding a method is a drafter module
+A spec is `NAME` (the method's defaults), `NAME:N` (N drafted tokens per step), `NAME:auto` or
+`NAME:autoN` (a chain of up to N drafts whose length the engine chooses every step,
+`drafters/adaptive.py`; N defaults to the method's) or, for a method that takes three numbers,
+`NAME:A,B,C` (`eagle3:DEPTH,TOPK,NODES`, an EAGLE-2 dynamic tree; `lookahead:WINDOW,NGRAM,GUESSES`). Adding a method is a drafter module
 that declares `METHOD = Method(...)` and one line in `METHODS` (docs/architecture.md).
 """
 
@@ -11,7 +12,8 @@ from __future__ import annotations
 import dataclasses
 
 from specjax.drafters import autoregressive, draft_model, eagle3, lookahead, ngram, ngram_first
-from specjax.drafters.base import TREE, Method
+from specjax.drafters.adaptive import AdaptiveDepth
+from specjax.drafters.base import TREE, BuildContext, Drafter, Method
 from specjax.tree import pool_size
 
 METHODS: dict[str, Method] = {
@@ -40,13 +42,15 @@ class MethodSpec:
     """A method and its parameters, every default filled in; an inapplicable one is a ValueError.
 
     num_spec: drafted tokens per step (chain methods); shape: the three numbers of a method that
-    takes them (`Method.shape`: an EAGLE-2 tree, Lookahead's window); min_ngram: prompt lookup.
+    takes them (`Method.shape`: an EAGLE-2 tree, Lookahead's window); min_ngram: prompt lookup;
+    adaptive: num_spec is the longest chain, the engine picks the length every step.
     """
 
     method: str
     num_spec: int | None = None
     shape: tuple[int, int, int] | None = None
     min_ngram: int | None = None
+    adaptive: bool = False
 
     def __post_init__(self):
         info = METHODS.get(self.method)
@@ -66,6 +70,8 @@ class MethodSpec:
             raise ValueError(f"{self.method} does no prompt lookup: it takes no min_ngram")
         if self.num_spec is not None and self.num_spec < 1:
             raise ValueError(f"{self.method}: the number of drafted tokens must be >= 1, got {self.num_spec}")
+        if self.adaptive and (info.num_spec is None or self.shape):
+            raise ValueError(f"{self.method}: only chain methods take auto (an adaptive draft length)")
         if self.min_ngram is not None and self.min_ngram < 1:
             raise ValueError(f"{self.method}: min_ngram must be >= 1, got {self.min_ngram}")
         if self.num_spec is None and not self.shape:
@@ -76,20 +82,30 @@ class MethodSpec:
 
     @classmethod
     def parse(cls, text: str) -> MethodSpec:
-        """'ar', 'ngram:5', 'eagle3', 'eagle3:4,2,8', 'lookahead:4,3,4' -> a spec."""
+        """'ar', 'ngram:5', 'eagle3:auto6', 'eagle3', 'eagle3:4,2,8', 'lookahead:4,3,4' -> a spec."""
         method, _, params = text.partition(":")
         if not params:
             return cls(method)
+        if params.startswith("auto") and (params == "auto" or params[4:].isdigit()):
+            return cls(method, num_spec=int(params[4:]) if params != "auto" else None, adaptive=True)
         if "," in params:
             info = METHODS.get(method)
             return cls(method, shape=parse_shape(params, info.shape[0] if info and info.shape else TREE))
         if not params.isdigit():
-            raise ValueError(f"{text!r}: expected METHOD:N (N drafted tokens) or METHOD:A,B,C (a tree, a lookahead window)")
+            raise ValueError(
+                f"{text!r}: expected METHOD:N (N drafted tokens), METHOD:auto[N] (adaptive, up to N) "
+                "or METHOD:A,B,C (a tree, a lookahead window)"
+            )
         return cls(method, num_spec=int(params))
 
     @property
     def info(self) -> Method:
         return METHODS[self.method]
+
+    def build(self, context: BuildContext) -> Drafter:
+        """The method's drafter, wrapped for an adaptive draft length when the spec says auto."""
+        drafter = self.info.build(self, context)
+        return AdaptiveDepth(drafter) if self.adaptive else drafter
 
     @property
     def tree(self) -> tuple[int, int, int] | None:
@@ -100,4 +116,6 @@ class MethodSpec:
     def label(self) -> str:
         if self.shape:
             return f"{self.method}:" + ",".join(map(str, self.shape))
+        if self.adaptive:
+            return f"{self.method}:auto{self.num_spec}"
         return self.method if self.num_spec is None else f"{self.method}:{self.num_spec}"

@@ -1,0 +1,109 @@
+"""Adaptive draft length (`NAME:auto`, `NAME:autoD`): each step verifies as many drafted tokens as pay.
+
+A chain drafter is built at every depth 0 .. D (`Drafter.at_depth`; depth 0 proposes the pending
+token alone, i.e. plain decoding, while the drafter's state keeps reading what is committed).
+Before each step the engine picks one depth for the batch (`choose_depth`) and runs that
+variant of the step (`lax.switch` over the D + 1 compiled variants), so shapes stay static.
+
+The choice prices what each depth would emit against what it costs. Row b's acceptance rate
+alpha_b is a running estimate from its own verifier calls (decayed counts of accepted and tried
+draft positions, with a prior that slowly pulls a row that stopped drafting back to trying);
+a chain of d drafts then emits E_b(d) = 1 + alpha_b + ... + alpha_b^d tokens. The cost of a step
+at depth d, relative to a plain decode step, comes from the measured cost model at this batch size
+(`Engine.profile_step`: T_verify(D + 1) / T_decode and the draft's cost, interpolated linearly in
+d). The batch takes argmax_d sum_b E_b(d) / cost(d): verifying costs per block, not per row, so one
+depth serves every row. The choice depends only on the past, so every step stays exact.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from specjax.drafters.base import Drafter
+
+#: Decay of a row's counts per drafting step: its estimate follows about its last ten drafts.
+DECAY = 0.9
+#: Decay per step without drafts: with no new evidence a row's estimate drifts back to the prior
+#: (over some 30 steps), so a row that stopped drafting tries again now and then.
+IDLE_DECAY = 0.98
+#: Pseudo-counts (accepted, tried) added to every estimate: alpha starts at 0.5.
+PRIOR = (1.0, 2.0)
+
+
+def acceptance(stats: jax.Array) -> jax.Array:
+    """stats [B, 2] decayed (accepted, tried) draft positions -> [B] estimated acceptance rate."""
+    return (stats[:, 0] + PRIOR[0]) / (stats[:, 1] + PRIOR[1])
+
+
+def observe(stats: jax.Array, accepted: jax.Array, depth: int, active: jax.Array) -> jax.Array:
+    """Decay every row's counts, then add this step's: accepted drafts [B], and the positions
+    tried (the accepted ones and the first rejected one) of a depth-`depth` chain."""
+    if depth == 0:
+        return stats * IDLE_DECAY
+    tried = jnp.minimum(accepted + 1, depth)
+    new = jnp.stack([accepted, tried], -1).astype(stats.dtype) * active[:, None]
+    return stats * DECAY + new
+
+
+def choose_depth(stats: jax.Array, active: jax.Array, costs: jax.Array) -> jax.Array:
+    """The depth d in 0 .. D maximising the batch's expected tokens per unit of time.
+
+    stats [B, 2] per-row counts (`observe`), active [B], costs [D + 1] step time at each depth
+    relative to a plain decode step. Returns an int32 scalar.
+    """
+    alpha = jnp.clip(acceptance(stats), 0.0, 0.999)[:, None]  # [B, 1]
+    depths = jnp.arange(costs.shape[0])  # [D + 1]
+    expected = (1 - alpha ** (depths + 1)) / (1 - alpha)  # [B, D + 1] tokens per call
+    tokens = jnp.sum(jnp.where(active[:, None], expected, 0.0), axis=0)
+    return jnp.argmax(tokens / costs).astype(jnp.int32)
+
+
+def linear_costs(t_decode: float, t_verify: float, t_draft: float, max_depth: int) -> np.ndarray:
+    """[D + 1] step cost at depth d relative to a decode step: the verify block's extra cost and
+    the draft's, both measured at depth D, interpolated linearly in d."""
+    extra = (max(t_verify, t_decode) - t_decode + t_draft) / t_decode
+    return 1.0 + extra * np.arange(max_depth + 1) / max_depth
+
+
+class AdaptiveDepth(Drafter):
+    """A chain drafter whose draft length the engine chooses every step (see the module doc).
+
+    As a plain drafter it behaves as its deepest variant. costs: a fixed [D + 1] cost vector
+    (e.g. from a stored profile, which also makes seeded sampling reproducible across
+    processes); None has the engine measure it once per batch size.
+    """
+
+    def __init__(self, drafter: Drafter, costs=None):
+        depth = drafter.max_depth
+        self.variants = tuple(drafter.at_depth(d) for d in range(depth + 1))
+        self.full = self.variants[-1]
+        self.params, self.taps = drafter.params, drafter.taps
+        self.propose_changes_state = drafter.propose_changes_state
+        if costs is not None and np.shape(costs) != (depth + 1,):
+            raise ValueError(f"costs must have one entry per depth 0 .. {depth}, got shape {np.shape(costs)}")
+        self.costs = None if costs is None else np.asarray(costs, np.float32)
+
+    @property
+    def num_nodes(self) -> int:
+        return self.full.num_nodes
+
+    @property
+    def max_depth(self) -> int:
+        return self.full.max_depth
+
+    def check_target(self, target_config) -> None:
+        self.full.check_target(target_config)
+
+    def init_state(self, batch_size: int, max_len: int):
+        return self.full.init_state(batch_size, max_len)
+
+    def prefill(self, params, state, chunk):
+        return self.full.prefill(params, state, chunk)
+
+    def propose(self, params, state, key, ctx, sampling):
+        return self.full.propose(params, state, key, ctx, sampling)
+
+    def update(self, params, state, ctx, proposal, commit, features, **aux):
+        return self.full.update(params, state, ctx, proposal, commit, features, **aux)

@@ -1,0 +1,123 @@
+"""Adaptive draft length (`NAME:auto`): the depth choice, its statistics, and the engine backing off."""
+
+from __future__ import annotations
+
+import copy
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import test_engine as engine_tests
+from engine_helpers import ADAPTIVE_COSTS, eagle3_drafter
+from specjax import tree as tree_lib
+from specjax.drafters import adaptive
+from specjax.drafters.adaptive import AdaptiveDepth
+from specjax.drafters.base import ChainDrafter, Proposal
+from specjax.drafters.registry import MethodSpec
+from specjax.engine import Engine
+from specjax.models import llama
+from specjax.tree import causal_mask
+
+CONFIG, PARAMS, PROMPTS, MAX_LEN = engine_tests.CONFIG, engine_tests.PARAMS, engine_tests.PROMPTS, engine_tests.MAX_LEN
+
+
+def stats_for(alphas, weight=50.0):
+    """[B, 2] counts that estimate the given acceptance rates with `weight` tried positions each."""
+    alphas = np.asarray(alphas, np.float32)
+    return jnp.stack([alphas * weight, np.full_like(alphas, weight)], -1)
+
+
+def test_choose_depth_prices_expected_tokens_against_cost():
+    costs = jnp.asarray([1.0, 1.1, 1.2, 1.3, 1.4])
+    active = jnp.ones(2, bool)
+    assert int(adaptive.choose_depth(stats_for([0.9, 0.9]), active, costs)) == 4  # good drafts: the longest chain
+    assert int(adaptive.choose_depth(stats_for([0.02, 0.02]), active, costs)) == 0  # useless drafts: plain decoding
+    # 0.5 acceptance: one draft emits 1.5 tokens for 1.1, more drafts add less than they cost.
+    assert int(adaptive.choose_depth(stats_for([0.5, 0.5]), active, jnp.asarray([1.0, 1.1, 1.5, 2.0, 2.5]))) == 1
+    # Only live rows count: a finished row with perfect drafts does not make the others draft.
+    assert int(adaptive.choose_depth(stats_for([0.02, 0.99]), jnp.array([True, False]), costs)) == 0
+    # Free verification (flat costs): any acceptance above zero pays for the whole chain.
+    assert int(adaptive.choose_depth(stats_for([0.1, 0.1]), active, jnp.ones(5))) == 4
+
+
+def test_observe_counts_tried_positions_and_decays():
+    stats = jnp.zeros((3, 2))
+    # Accepted 2 of a 3-chain (3 tried: two accepted, the third rejected); all 3 accepted; inactive.
+    stats = adaptive.observe(stats, jnp.array([2, 3, 3]), 3, jnp.array([True, True, False]))
+    np.testing.assert_allclose(stats, [[2, 3], [3, 3], [0, 0]])
+    again = adaptive.observe(stats, jnp.array([0, 0, 0]), 3, jnp.array([True, True, False]))
+    np.testing.assert_allclose(again, np.asarray(stats) * adaptive.DECAY + [[0, 1], [0, 1], [0, 0]])
+    idle = adaptive.observe(stats, jnp.array([0, 0, 0]), 0, jnp.ones(3, bool))  # a step without drafts
+    np.testing.assert_allclose(idle, np.asarray(stats) * adaptive.IDLE_DECAY)
+    assert float(adaptive.acceptance(jnp.zeros((1, 2)))[0]) == pytest.approx(0.5)  # the prior
+
+
+def test_linear_costs_interpolate_the_measured_step():
+    costs = adaptive.linear_costs(t_decode=10.0, t_verify=14.0, t_draft=2.0, max_depth=3)
+    np.testing.assert_allclose(costs, [1.0, 1.2, 1.4, 1.6])
+
+
+@pytest.fixture(scope="module")
+def autoregressive():
+    reference = engine_tests.engine_for(None)
+    return [reference.generate([p], max_new_tokens=engine_tests.NEW_TOKENS).tokens[0] for p in PROMPTS]
+
+
+class OracleChain(ChainDrafter):
+    """The target's own greedy continuation as a chain (re-runs the target; test only)."""
+
+    def __init__(self, depth: int):
+        super().__init__(depth)
+
+    def at_depth(self, depth: int) -> OracleChain:
+        variant = copy.copy(self)
+        variant.num_draft = depth
+        return variant
+
+    def propose(self, params, state, key, ctx, sampling):
+        batch, max_len = ctx.history.shape
+        rows, lengths, history, truth = jnp.arange(batch), ctx.lengths + 1, ctx.history, []
+        positions = jnp.broadcast_to(jnp.arange(max_len), (batch, max_len))
+        for _ in range(self.num_draft):
+            logits = llama.forward(PARAMS, CONFIG, history, positions, None, causal_mask(max_len)).logits
+            token = jnp.argmax(logits[rows, lengths - 1], -1).astype(jnp.int32)
+            truth.append(token)
+            history, lengths = history.at[rows, lengths].set(token, mode="drop"), lengths + 1
+        tokens = jnp.stack([ctx.pending] + truth, 1)  # [B, D + 1]
+        return state, Proposal(tree=tree_lib.chain(batch, self.num_draft), tokens=tokens)
+
+
+def test_the_engine_drafts_long_where_drafts_are_right_and_backs_off_where_wrong(autoregressive):
+    right = Engine(CONFIG, PARAMS, AdaptiveDepth(OracleChain(3), costs=ADAPTIVE_COSTS), max_len=MAX_LEN)
+    stats = right.generate(PROMPTS, max_new_tokens=engine_tests.NEW_TOKENS)
+    assert stats.tokens == autoregressive
+    assert stats.drafting_share == 1.0 and stats.tau > 3.5  # every step at the full depth (the last ones cut short)
+    # A random EAGLE-3 head is never right: the rows stop drafting, only probing now and then.
+    wrong = engine_tests.engine_for("eagle3-auto").generate(PROMPTS, max_new_tokens=engine_tests.NEW_TOKENS)
+    assert wrong.tokens == autoregressive and wrong.tau == 1.0
+    assert 0 < wrong.drafting_share < 0.15
+    np.testing.assert_array_equal(wrong.acceptance_by_position, 0.0)
+
+
+
+
+def test_costs_are_measured_once_per_batch_size():
+    engine = Engine(CONFIG, PARAMS, AdaptiveDepth(eagle3_drafter(CONFIG, PARAMS, depth=2)), max_len=MAX_LEN)
+    costs = np.asarray(engine.depth_costs(2))
+    assert costs.shape == (3,) and costs[0] == 1.0 and np.all(np.diff(costs) > 0)
+    assert engine.depth_costs(2) is engine.depth_costs(2)
+    with pytest.raises(ValueError, match="one entry per depth 0 .. 2"):
+        AdaptiveDepth(eagle3_drafter(CONFIG, PARAMS, depth=2), costs=[1.0, 1.5])
+
+
+def test_specs():
+    spec = MethodSpec.parse("eagle3:auto6")
+    assert spec.adaptive and spec.num_spec == 6 and spec.label == "eagle3:auto6"
+    assert MethodSpec.parse("ngram:auto") == MethodSpec("ngram", num_spec=5, adaptive=True)
+    for text, error in [("ar:auto", "only chain methods"), ("lookahead:auto", "only chain methods"),
+                        ("eagle3:autox", "METHOD:auto"), ("eagle3:auto0", ">= 1")]:
+        with pytest.raises(ValueError, match=error):
+            MethodSpec.parse(text)
+    with pytest.raises(ValueError, match="EAGLE-2 tree has no adaptive depth"):
+        AdaptiveDepth(eagle3_drafter(CONFIG, PARAMS, depth=2, top_k=2, nodes=4))
