@@ -369,19 +369,40 @@ class Engine:
         return self._decode_jit(self.params, drafter_params, state, sampling, state.step + num_steps, costs)
 
     def depth_costs(self, batch_size: int) -> jax.Array:
-        """[D + 1] step cost at each depth relative to a decode step, for an adaptive drafter: its
-        own fixed costs, else measured once per batch size (`profile_step` on a synthetic prompt)."""
+        """[D + 1] step time at each depth relative to depth 0, for an adaptive drafter: its own
+        fixed costs, else measured once per batch size (`measure_depth_costs`)."""
         if self.drafter.variants is None:
             return jnp.ones((1,), jnp.float32)  # unused
         if self.drafter.costs is not None:
             return jnp.asarray(self.drafter.costs)
         if batch_size not in self._depth_costs:
-            length = max(1, min(64, self.max_len // 4))
-            prompt = [int(t) for t in np.random.default_rng(0).integers(0, self.config.vocab_size, length)]
-            t = self.profile_step([prompt] * batch_size, repeats=10)
-            costs = adaptive.linear_costs(t["decode"], t["verify"], t["draft"], self.max_depth)
-            self._depth_costs[batch_size] = jnp.asarray(costs, jnp.float32)
+            self._depth_costs[batch_size] = jnp.asarray(self.measure_depth_costs(batch_size), jnp.float32)
         return self._depth_costs[batch_size]
+
+    def measure_depth_costs(self, batch_size: int, steps: int = 4, repeats: int = 3) -> np.ndarray:
+        """Whole decode steps (draft, verify, commit, update) timed at each forced depth of an
+        adaptive drafter on a synthetic prompt: [D + 1] median seconds per step over round-robin
+        repeats, relative to depth 0. Uses the compiled decode loop itself (nothing new compiles)."""
+        length = max(1, min(64, self.max_len // 4))
+        prompt = [int(t) for t in np.random.default_rng(0).integers(0, self.config.vocab_size, length)]
+        prompts, limit = [prompt] * batch_size, self.max_len - length - self.num_nodes
+        greedy = sampling_lib.SamplingParams.make(batch_size)
+        depths = self.max_depth + 1
+        times: list[list[float]] = [[] for _ in range(depths)]
+        for _ in range(repeats):
+            for depth in range(depths):
+                force = jnp.full((depths,), jnp.inf).at[depth].set(1.0)  # every other depth is worth 0
+                state = self.admit(self.init_state(batch_size), range(batch_size), prompts, limit)
+                state = self._decode_jit(self.params, self.drafter_params, state, greedy, state.step + 1, force)
+                before, start = int(state.step), time.perf_counter()
+                state = self._decode_jit(self.params, self.drafter_params, state, greedy, state.step + steps, force)
+                taken = int(state.step) - before  # fewer if every row hit an EOS
+                if taken:
+                    times[depth].append((time.perf_counter() - start) / taken)
+        if not all(times):
+            raise RuntimeError("could not time every draft depth: the synthetic rows finished at once")
+        per_step = np.array([np.median(t) for t in times])
+        return per_step / per_step[0]
 
     # ----------------------------------------------------------------- host driver
 

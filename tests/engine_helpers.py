@@ -40,10 +40,13 @@ def tiny_params(config: ModelConfig, seed: int, scale: float = 1.0):
     return params | {"lm_head": params["lm_head"] * scale}
 
 
-def eagle3_drafter(config: ModelConfig, params, *, seed: int = 7, depth: int = 4, top_k: int = 1, nodes: int | None = None):
-    """A random EAGLE-3 head over half of the target vocabulary."""
+def eagle3_drafter(
+    config: ModelConfig, params, *, seed: int = 7, depth: int = 4, top_k: int = 1, nodes: int | None = None, logit_scale: float = 1.0
+):
+    """A random EAGLE-3 head over half of the target vocabulary (logit_scale > 1: peaked drafts)."""
     head_config = eagle3.Eagle3Config.from_target(config, draft_vocab_size=config.vocab_size // 2)
     head_params = eagle3.init_params(head_config, jax.random.key(seed))
+    head_params["lm_head"] = head_params["lm_head"] * logit_scale
     ids = jnp.sort(jax.random.permutation(jax.random.key(seed + 1), config.vocab_size)[: config.vocab_size // 2])
     vocab = eagle3.DraftVocab.from_target_ids(ids, config.vocab_size)
     return Eagle3Drafter(

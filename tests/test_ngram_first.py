@@ -19,6 +19,7 @@ from specjax.sampling import SamplingParams
 
 CONFIG = tiny_config(num_layers=2)
 PARAMS = tiny_params(CONFIG, seed=0, scale=30.0)
+KEYS = jax.random.split(jax.random.key(0), 2)  # one per row
 
 
 def test_lookup_reports_the_matched_suffix_size():
@@ -42,8 +43,8 @@ def test_rows_with_a_long_enough_match_take_the_lookup_chain():
     ctx = StepContext(pending=history[:, 7], lengths=lengths, history=history, active=jnp.array([True, True]))
     state = drafter.init_state(2, 16)
     propose, head_propose = jax.jit(drafter.propose), jax.jit(drafter.fallback.propose)  # eager would dispatch op by op
-    _, proposal = propose(drafter.params, state, jax.random.key(0), ctx, SamplingParams.make(2))
-    _, head_proposal = head_propose(drafter.params, state, jax.random.key(0), ctx, SamplingParams.make(2))
+    _, proposal = propose(drafter.params, state, KEYS, ctx, SamplingParams.make(2))
+    _, head_proposal = head_propose(drafter.params, state, KEYS, ctx, SamplingParams.make(2))
     tokens = np.asarray(proposal.tokens)
     assert list(tokens[0]) == [12, 13, 14, 10]
     np.testing.assert_array_equal(tokens[1], np.asarray(head_proposal.tokens)[1])
@@ -52,7 +53,7 @@ def test_rows_with_a_long_enough_match_take_the_lookup_chain():
 
     # Every live row matches (row 1 has finished): the lookup chain alone, the head's drafting skipped.
     ctx = ctx.replace(history=history.at[1].set(history[0]), active=jnp.array([True, False]))
-    _, proposal = propose(drafter.params, state, jax.random.key(0), ctx, SamplingParams.make(2))
+    _, proposal = propose(drafter.params, state, KEYS, ctx, SamplingParams.make(2))
     assert [list(row) for row in np.asarray(proposal.tokens)] == [[12, 13, 14, 10]] * 2
 
 

@@ -9,10 +9,11 @@ The choice prices what each depth would emit against what it costs. Row b's acce
 alpha_b is a running estimate from its own verifier calls (decayed counts of accepted and tried
 draft positions, with a prior that slowly pulls a row that stopped drafting back to trying);
 a chain of d drafts then emits E_b(d) = 1 + alpha_b + ... + alpha_b^d tokens. The cost of a step
-at depth d, relative to a plain decode step, comes from the measured cost model at this batch size
-(`Engine.profile_step`: T_verify(D + 1) / T_decode and the draft's cost, interpolated linearly in
-d). The batch takes argmax_d sum_b E_b(d) / cost(d): verifying costs per block, not per row, so one
-depth serves every row. The choice depends only on the past, so every step stays exact.
+at depth d, relative to a step at depth 0, is measured on this engine at this batch size: whole
+steps of the compiled loop, each depth forced in turn (`Engine.measure_depth_costs`), so every
+overhead of drafting, verifying and committing is priced. The batch takes
+argmax_d sum_b E_b(d) / cost(d): verifying costs per block, not per row, so one depth serves every
+row. The choice depends only on the past, so every step stays exact.
 """
 
 from __future__ import annotations
@@ -51,20 +52,13 @@ def choose_depth(stats: jax.Array, active: jax.Array, costs: jax.Array) -> jax.A
     """The depth d in 0 .. D maximising the batch's expected tokens per unit of time.
 
     stats [B, 2] per-row counts (`observe`), active [B], costs [D + 1] step time at each depth
-    relative to a plain decode step. Returns an int32 scalar.
+    relative to depth 0 (inf: never). Returns an int32 scalar.
     """
     alpha = jnp.clip(acceptance(stats), 0.0, 0.999)[:, None]  # [B, 1]
     depths = jnp.arange(costs.shape[0])  # [D + 1]
     expected = (1 - alpha ** (depths + 1)) / (1 - alpha)  # [B, D + 1] tokens per call
     tokens = jnp.sum(jnp.where(active[:, None], expected, 0.0), axis=0)
     return jnp.argmax(tokens / costs).astype(jnp.int32)
-
-
-def linear_costs(t_decode: float, t_verify: float, t_draft: float, max_depth: int) -> np.ndarray:
-    """[D + 1] step cost at depth d relative to a decode step: the verify block's extra cost and
-    the draft's, both measured at depth D, interpolated linearly in d."""
-    extra = (max(t_verify, t_decode) - t_decode + t_draft) / t_decode
-    return 1.0 + extra * np.arange(max_depth + 1) / max_depth
 
 
 class AdaptiveDepth(Drafter):

@@ -5,11 +5,13 @@ output predicts the token at t + 2, so the head holds one entry per committed ta
 After every verification (`update`) it reads the accepted path with the target's true features,
 the last entry reading the new pending token; `propose` only drafts, and may be skipped.
 
+Chain (top-k 1): each draft is sampled from the head's distribution, processed like the target's
+(temperature, top-k, top-p; the argmax for greedy rows), and verified by the rejection rule.
 EAGLE-2 tree (depth D, top-k K, T nodes): level 1 takes the K most likely tokens; each level
 expands the K best nodes of the level above (by cumulative draft log-probability) into K
 children each, so the candidate pool has K + (D - 1) K^2 nodes; the best T of the pool are
 kept, in pool order (parents before children, siblings by score), and verified with the
-point-mass tree rule. K = 1 gives a greedy chain of D tokens.
+point-mass tree rule.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import jax.numpy as jnp
 from flax import struct
 
 from specjax import kv_cache as kv
+from specjax import sampling as sampling_lib
 from specjax.checkpoints.eagle3 import load_eagle3
 from specjax.drafters.base import TREE, Commit, Drafter, Method, PrefillChunk, Priors, Proposal, StepContext
 from specjax.models import eagle3
@@ -150,14 +153,43 @@ class Eagle3Drafter(Drafter):
         return self._read(params, state, path_features, jnp.maximum(commit.emitted, 0), commit.num_committed)
 
     def propose(self, params, state: Eagle3State, key, ctx: StepContext, sampling):
-        return state, self.draft(params, state, ctx)
+        if self.depth == 0:  # an adaptive step that drafts nothing
+            return state, Proposal(tree=chain(ctx.pending.shape[0], 0), tokens=ctx.pending[:, None])
+        if self.top_k == 1:
+            return state, self.sample_chain(params, state, key, ctx, sampling)
+        return state, self.grow_tree(params, state, ctx)
 
-    def draft(self, params, state: Eagle3State, ctx: StepContext) -> Proposal:
-        """The EAGLE-2 tree (a chain for top_k 1) grown from the newest entry's output."""
+    def sample_chain(self, params, state: Eagle3State, key, ctx: StepContext, sampling) -> Proposal:
+        """A chain of `depth` drafts, each sampled from the head's distribution processed as the
+        target's is (`sampling.probs`; greedy rows take the argmax), verified by the rejection rule.
+
+        At temperature > 0 this accepts a draft with probability sum(min(p, q)) rather than q(top-1).
+        """
+        cache, hidden, logits = state.cache, state.hidden, state.logits  # [B, H], [B, Vd]
+        batch, depth = ctx.pending.shape[0], self.depth
+        keys = jax.vmap(lambda k: jax.random.split(k, depth))(key)  # [B, D]
+        targets = eagle3.draft_to_target(jnp.arange(logits.shape[-1]), params["d2t"])  # [Vd] target ids
+        drafts, probs, fed_tokens, fed_hidden = [], [], [], []
+        for level in range(depth):
+            p = sampling_lib.probs(logits, sampling)  # [B, Vd]
+            drafts.append(targets[sampling_lib.sample(keys[:, level], p)])  # [B]
+            probs.append(p)
+            if level + 1 < depth:  # the head reads the chain so far; its last output drafts the next
+                fed_tokens.append(drafts[-1])
+                fed_hidden.append(hidden)
+                fed = level + 1
+                positions = cache.lengths[:, None] + jnp.arange(fed)
+                out = self._head(params, cache, jnp.stack(fed_tokens, 1), jnp.stack(fed_hidden, 1), positions, causal_mask(fed))
+                logits, hidden = out.logits[:, -1], out.hidden[:, -1]
+        vocab = self.head_config.target_vocab_size
+        draft_probs = jnp.zeros((batch, depth, vocab), jnp.float32).at[:, :, targets].set(jnp.stack(probs, 1))
+        tokens = jnp.concatenate([ctx.pending[:, None], jnp.stack(drafts, 1)], 1)  # [B, D + 1]
+        return Proposal(tree=chain(batch, depth), tokens=tokens, draft_probs=draft_probs, rule="rejection")
+
+    def grow_tree(self, params, state: Eagle3State, ctx: StepContext) -> Proposal:
+        """The EAGLE-2 dynamic tree grown from the newest entry's output (deterministic top-k candidates)."""
         cache, hidden, logits = state.cache, state.hidden, state.logits  # [B, H], [B, Vd]
         batch = ctx.pending.shape[0]
-        if self.depth == 0:  # an adaptive step that drafts nothing
-            return Proposal(tree=chain(batch, 0), tokens=ctx.pending[:, None])
         k = self.top_k
         # Pool of candidates, level by level: draft ids, parent pool index (-1: root), score, depth.
         scores, ids = jax.lax.top_k(jax.nn.log_softmax(logits, -1), k)  # [B, K]
