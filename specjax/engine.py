@@ -217,21 +217,56 @@ class Engine:
         )
         return tree_out, {"aux_logits": out.logits[:, num_nodes:]}
 
-    def _step(self, params, drafter_params, state: DecodeState, sampling, drafter: Drafter | None = None) -> DecodeState:
-        """One draft -> verify -> commit step with `drafter` (default: the engine's; an adaptive
-        drafter's variant for one depth)."""
-        drafter = drafter or self.drafter
+    def _draft_and_verify(self, drafter: Drafter, params, drafter_params, state: DecodeState, keys, ctx, sampling):
+        """Propose with `drafter`, run the target over the proposal, verify: (drafter state,
+        proposal, target outputs at the proposal's nodes, auxiliary outputs, verdict)."""
+        draft_key, verify_key = keys
+        drafter_state, proposal = drafter.propose(drafter_params, state.drafter_state, draft_key, ctx, sampling)
+        out, aux = self._target_over(params, state.cache, proposal)
+        verdict = self._verify(verify_key, proposal, sampling_lib.probs(out.logits, sampling), sampling)
+        return drafter_state, proposal, out, aux, verdict
+
+    def _adaptive_draft_and_verify(self, params, drafter_params, state: DecodeState, keys, ctx, sampling, depth_costs):
+        """`_draft_and_verify` at the depth `adaptive.choose_depth` picks: one `lax.switch` branch
+        per depth, each returning only its chain padded to the deepest (tokens, K/V, taps, verdict),
+        so the caches are read inside the switch but never carried through it (no copies)."""
+        depth = adaptive.choose_depth(state.accept_stats, state.active, depth_costs)
+        width = self.max_depth + 1
+
+        def branch(variant: Drafter):
+            def run():
+                _, proposal, out, _, verdict = self._draft_and_verify(variant, params, drafter_params, state, keys, ctx, sampling)
+                pad = width - proposal.tokens.shape[1]
+                grow = lambda x, axis: None if x is None else jnp.pad(x, [(0, pad if a == axis else 0) for a in range(x.ndim)])
+                out = out.replace(logits=None, k=grow(out.k, 2), v=grow(out.v, 2), features=grow(out.features, 1))
+                return grow(proposal.tokens, 1), out, verdict.accepted, verdict.next_token
+            return run
+
+        tokens, out, accepted, next_token = jax.lax.switch(depth, [branch(v) for v in self.drafter.variants])
+        positions = jnp.arange(width)  # a chain's path runs down to the accepted draft
+        verdict = verify.Verdict(
+            accepted=accepted, next_token=next_token,
+            path=jnp.minimum(positions[None, :], accepted[:, None]), accepted_at=positions[None, :-1] < accepted[:, None],
+        )
+        proposal = Proposal(tree=tree_lib.chain(tokens.shape[0], self.max_depth), tokens=tokens)
+        return state.drafter_state, proposal, out, {}, verdict, depth
+
+    def _step(self, params, drafter_params, state: DecodeState, sampling, depth_costs) -> DecodeState:
         # Per-row keys, advanced by the row's own verifier calls: a row's draws do not depend on
         # its slot, its batch or the step at which it was admitted.
         keys = jax.vmap(jax.random.fold_in)(state.keys, state.accepted_hist.sum(-1))  # [B]
-        draft_key, verify_key = jax.vmap(jax.random.split, out_axes=1)(keys)  # [B] each
+        keys = jax.vmap(jax.random.split, out_axes=1)(keys)  # [2, B]: drafting, verifying
         cache = state.cache
         ctx = StepContext(pending=state.pending, lengths=cache.lengths, history=state.history, active=state.active)
-
-        drafter_state, proposal = drafter.propose(drafter_params, state.drafter_state, draft_key, ctx, sampling)
-        tree = proposal.tree
-        out, aux = self._target_over(params, cache, proposal)
-        verdict = self._verify(verify_key, proposal, sampling_lib.probs(out.logits, sampling), sampling)
+        if self.drafter.variants is None:
+            drafter_state, proposal, out, aux, verdict = self._draft_and_verify(
+                self.drafter, params, drafter_params, state, keys, ctx, sampling
+            )
+            depth = self.max_depth
+        else:
+            drafter_state, proposal, out, aux, verdict, depth = self._adaptive_draft_and_verify(
+                params, drafter_params, state, keys, ctx, sampling, depth_costs
+            )
 
         accepted = jnp.where(state.active, verdict.accepted, 0)  # [B]
         emitted = verify.emitted_tokens(verdict, proposal.tokens)  # [B, D + 1], -1 past the end
@@ -244,7 +279,7 @@ class Engine:
         )
         # The accepted path's entries into contiguous slots (a chain's already are), then the length update.
         cache = kv.write(cache, out.k, out.v)
-        if tree.max_depth != tree.num_nodes - 1:
+        if proposal.tree.max_depth != proposal.tree.num_nodes - 1:
             cache = kv.compact(cache, commit.path)
         cache = kv.commit(cache, commit.num_committed)
 
@@ -256,34 +291,30 @@ class Engine:
         hit_eos = jnp.any(self._is_eos(commit.emitted) & valid, axis=1)
         hist_update = jax.nn.one_hot(accepted, self.max_depth + 1, dtype=jnp.int32) * state.active[:, None]
         position = jnp.arange(self.max_depth)  # [D]
-        reached = state.active[:, None] & (position < drafter.max_depth) & (position <= accepted[:, None])
+        reached = state.active[:, None] & (position < depth) & (position <= accepted[:, None])
         return state.replace(
             cache=cache,
             history=history,
             pending=jnp.where(state.active, verdict.next_token, state.pending),
             num_generated=num_generated,
             active=state.active & ~hit_eos & (num_generated < state.max_new),
-            drafter_state=drafter.update(drafter_params, drafter_state, ctx, proposal, commit, out.features, **aux),
+            drafter_state=self.drafter.update(drafter_params, drafter_state, ctx, proposal, commit, out.features, **aux),
             step=state.step + 1,
             accepted_hist=state.accepted_hist + hist_update,
             reached=state.reached + reached,
-            accept_stats=adaptive.observe(state.accept_stats, accepted, drafter.max_depth, state.active),
+            accept_stats=adaptive.observe(state.accept_stats, accepted, depth, state.active),
         )
 
     def _decode(self, params, drafter_params, state: DecodeState, sampling, stop_step, depth_costs) -> DecodeState:
         """Decode until every row is done or `stop_step` steps were taken (no host sync inside).
 
         An adaptive drafter's step runs at the depth `adaptive.choose_depth` picks from the rows'
-        acceptance so far and depth_costs [D + 1] (one compiled variant per depth)."""
-        variants = self.drafter.variants
-
-        def step(s: DecodeState) -> DecodeState:
-            if variants is None:
-                return self._step(params, drafter_params, s, sampling)
-            branches = [lambda s, v=v: self._step(params, drafter_params, s, sampling, v) for v in variants]
-            return jax.lax.switch(adaptive.choose_depth(s.accept_stats, s.active, depth_costs), branches, s)
-
-        return jax.lax.while_loop(lambda s: jnp.any(s.active) & (s.step < stop_step), step, state)
+        acceptance so far and depth_costs [D + 1]."""
+        return jax.lax.while_loop(
+            lambda s: jnp.any(s.active) & (s.step < stop_step),
+            lambda s: self._step(params, drafter_params, s, sampling, depth_costs),
+            state,
+        )
 
     # ----------------------------------------------------------------- state API
 

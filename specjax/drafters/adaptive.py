@@ -41,11 +41,9 @@ def acceptance(stats: jax.Array) -> jax.Array:
 def observe(stats: jax.Array, accepted: jax.Array, depth: int, active: jax.Array) -> jax.Array:
     """Decay every row's counts, then add this step's: accepted drafts [B], and the positions
     tried (the accepted ones and the first rejected one) of a depth-`depth` chain."""
-    if depth == 0:
-        return stats * IDLE_DECAY
     tried = jnp.minimum(accepted + 1, depth)
     new = jnp.stack([accepted, tried], -1).astype(stats.dtype) * active[:, None]
-    return stats * DECAY + new
+    return jnp.where(depth > 0, stats * DECAY + new, stats * IDLE_DECAY)
 
 
 def choose_depth(stats: jax.Array, active: jax.Array, costs: jax.Array) -> jax.Array:
@@ -71,6 +69,8 @@ class AdaptiveDepth(Drafter):
 
     def __init__(self, drafter: Drafter, costs=None):
         depth = drafter.max_depth
+        if drafter.propose_changes_state:
+            raise ValueError(f"{type(drafter).__name__} writes its state while drafting: its draft length cannot vary per step")
         self.variants = tuple(drafter.at_depth(d) for d in range(depth + 1))
         self.full = self.variants[-1]
         self.params, self.taps = drafter.params, drafter.taps
