@@ -18,6 +18,7 @@ from engine_helpers import tiny_config, tiny_params, word_tokenizer
 from infer import serve
 from infer.serve import ServeOptions, ServerThread, create_app
 from specjax.drafters.ngram import NgramDrafter
+from specjax.drafters.registry import MethodSpec
 from specjax.engine import Engine
 from specjax.sampling import SamplingParams
 from specjax.tokenizer import Tokenizer
@@ -389,6 +390,8 @@ def test_method_flag_takes_a_spec():
     assert (args.spec.label, args.max_batch) == ("eagle3:3", 8)
     assert serve.parse_args(["--method=eagle3:4,2,8"]).spec.label == "eagle3:4,2,8"
     assert serve.parse_args(["--method", "ngram", "--num-spec", "5"]).spec.label == "ngram:5"
+    assert serve.parse_args(["--method", "eagle3:auto4"]).spec == MethodSpec("eagle3", num_spec=4, adaptive=True)
+    assert serve.parse_args(["--method", "eagle3+ngram", "--auto"]).spec.label == "eagle3+ngram:auto3"
     with pytest.raises(ValueError, match="drop --num-spec"):
         serve.parse_args(["--method", "eagle3:3", "--num-spec", "4"])
 
