@@ -121,7 +121,7 @@ class Engine:
         self.eos_ids = tuple(config.eos_token_ids if eos_ids is None else eos_ids)
         self.num_nodes, self.max_depth = self.drafter.num_nodes, self.drafter.max_depth
         self.drafter_params = self.drafter.params
-        self._depth_costs: dict[int, jax.Array] = {}  # adaptive drafters: measured per batch size
+        self._depth_costs: dict[int, jax.Array] = {}  # per batch size, for `decode`
         self._row_axes = self._find_row_axes()
         self._fresh_jit = jax.jit(self._fresh)
         self._prefill_jit = jax.jit(self._prefill_chunk, donate_argnums=2)
@@ -402,12 +402,14 @@ class Engine:
     def depth_costs(self, batch_size: int) -> jax.Array:
         """[D + 1] step time at each depth relative to depth 0, for an adaptive drafter: its own
         fixed costs, else measured once per batch size (`measure_depth_costs`)."""
-        if self.drafter.variants is None:
-            return jnp.ones((1,), jnp.float32)  # unused
-        if self.drafter.costs is not None:
-            return jnp.asarray(self.drafter.costs)
-        if batch_size not in self._depth_costs:
-            self._depth_costs[batch_size] = jnp.asarray(self.measure_depth_costs(batch_size), jnp.float32)
+        if batch_size not in self._depth_costs:  # once per batch size: no transfer per decode call
+            if self.drafter.variants is None:
+                costs = np.ones(1)  # unused
+            elif self.drafter.costs is not None:
+                costs = self.drafter.costs
+            else:
+                costs = self.measure_depth_costs(batch_size)
+            self._depth_costs[batch_size] = jnp.asarray(costs, jnp.float32)
         return self._depth_costs[batch_size]
 
     def measure_depth_costs(self, batch_size: int, steps: int = 4, repeats: int = 3) -> np.ndarray:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import copy
 import functools
 
 import jax.numpy as jnp
@@ -15,6 +14,7 @@ from specjax import tree as tree_lib
 from specjax.drafters import adaptive
 from specjax.drafters.adaptive import AdaptiveDepth
 from specjax.drafters.base import ChainDrafter, Proposal
+from specjax.drafters.draft_model import DraftModelDrafter
 from specjax.drafters.registry import MethodSpec
 from specjax.engine import Engine
 from specjax.models import llama
@@ -70,14 +70,6 @@ def autoregressive():
 class OracleChain(ChainDrafter):
     """The target's own greedy continuation as a chain (re-runs the target; test only)."""
 
-    def __init__(self, depth: int):
-        super().__init__(depth)
-
-    def at_depth(self, depth: int) -> OracleChain:
-        variant = copy.copy(self)
-        variant.num_draft = depth
-        return variant
-
     def propose(self, params, state, key, ctx, sampling):
         batch, max_len = ctx.history.shape
         rows, lengths, history, truth = jnp.arange(batch), ctx.lengths + 1, ctx.history, []
@@ -125,3 +117,5 @@ def test_specs():
             MethodSpec.parse(text)
     with pytest.raises(ValueError, match="EAGLE-2 tree has no adaptive depth"):
         AdaptiveDepth(eagle3_drafter(CONFIG, PARAMS, depth=2, top_k=2, nodes=4))
+    with pytest.raises(ValueError, match="writes its state while drafting"):  # a draft model's cache
+        AdaptiveDepth(DraftModelDrafter(CONFIG, PARAMS, num_draft=2))

@@ -12,6 +12,7 @@ by the proposal's rule, commits, and then calls `update` with the `Commit` it co
 from __future__ import annotations
 
 import abc
+import copy
 import dataclasses
 from typing import Any, Callable, Literal
 
@@ -202,6 +203,11 @@ class ChainDrafter(Drafter):
     @property
     def max_depth(self) -> int:
         return self.num_draft
+
+    def at_depth(self, depth: int) -> ChainDrafter:
+        variant = copy.copy(self)
+        variant.num_draft = depth
+        return variant
 
 
 @dataclasses.dataclass(frozen=True)

@@ -8,8 +8,6 @@ point-mass tree rule and the output distribution is exactly the target's.
 
 from __future__ import annotations
 
-import copy
-
 import jax
 import jax.numpy as jnp
 
@@ -55,11 +53,6 @@ class NgramDrafter(ChainDrafter):
         if not 1 <= min_ngram <= max_ngram:
             raise ValueError(f"need 1 <= min_ngram <= max_ngram, got {min_ngram}, {max_ngram}")
         self.max_ngram, self.min_ngram = max_ngram, min_ngram
-
-    def at_depth(self, depth: int) -> NgramDrafter:
-        variant = copy.copy(self)
-        variant.num_draft = depth
-        return variant
 
     def propose(self, params, state, key, ctx: StepContext, sampling: SamplingParams):
         drafts, _ = jax.vmap(lookup, in_axes=(0, 0, None, None, None))(
