@@ -36,7 +36,6 @@ PROMPT = VOCAB  # the context index of "after the prompt" in the synthetic bigra
 # Jitted once per shape (eager calls would compile every primitive separately).
 sample = jax.jit(sampling.sample)
 write, compact, commit, append = (jax.jit(f) for f in (kv_cache.write, kv_cache.compact, kv_cache.commit, kv_cache.append))
-attention_mask = jax.jit(kv_cache.attention_mask, static_argnums=2)
 
 
 def softmax(x: np.ndarray) -> np.ndarray:
@@ -284,10 +283,10 @@ def two_sequences(keys, out, steps: int = 3, num_draft: int = 3) -> dict:
             committed[row] += list(block[row, : accepted[row] + 1])
         pending = np.asarray(verdict.next_token)
         # The next step's first query sees exactly the committed tokens, never a stale slot.
-        mask = np.asarray(attention_mask(cache.lengths, jnp.ones((1, 1), bool), cache.max_len))[:, 0]  # [B, S]
+        mask = np.arange(cache.max_len)[None, :] < np.asarray(cache.lengths)[:, None]  # [B, S], as attention reads
         slots = np.asarray(cache.k)[0, :, :, 0, 0]  # [B, S]
         for row in range(2):
-            visible = slots[row, mask[row]][:-1]  # the last visible slot is the query's own (not yet written)
+            visible = slots[row, mask[row]]
             reads_committed_only &= visible.tolist() == committed[row]
         lengths_history.append(np.asarray(cache.lengths).tolist())
         accepted_history.append(accepted.tolist())

@@ -89,23 +89,3 @@ def commit(cache: KVCache, num_new: jax.Array) -> KVCache:
 def append(cache: KVCache, k_block: jax.Array, v_block: jax.Array, num_new: jax.Array) -> KVCache:
     """Write a block at each row's offset and commit its first num_new[b] entries (a causal block)."""
     return commit(write(cache, k_block, v_block), num_new)
-
-
-def attention_mask(lengths: jax.Array, block_mask: jax.Array, max_len: int) -> jax.Array:
-    """Which cache slots each query of a new block may attend once the block is written.
-
-    lengths:    [B] committed tokens per row (the block starts at slot lengths[b]).
-    block_mask: [B, T, T] or [T, T] bool, query t may see block entry u.
-    Returns [B, T, max_len] bool: the committed prefix plus the block mask at the row's offset.
-    Stale slots (past lengths[b] and outside the block) are never visible.
-    """
-    num_queries = block_mask.shape[-1]
-    block_mask = jnp.broadcast_to(block_mask, (lengths.shape[0], num_queries, num_queries))
-    slots = jnp.arange(max_len)  # [S]
-    prefix = slots[None, None, :] < lengths[:, None, None]  # [B, 1, S]
-    block_index = slots[None, :] - lengths[:, None]  # [B, S]
-    in_block = (block_index >= 0) & (block_index < num_queries)  # [B, S]
-    gathered = jnp.take_along_axis(
-        block_mask, jnp.clip(block_index, 0, num_queries - 1)[:, None, :].repeat(num_queries, 1), axis=2
-    )  # [B, T, S]
-    return prefix | (in_block[:, None, :] & gathered)

@@ -6,6 +6,8 @@ back which entry landed in which slot.
 
 from __future__ import annotations
 
+from functools import partial
+
 import hypothesis.strategies as st
 import jax
 import jax.numpy as jnp
@@ -14,6 +16,7 @@ from hypothesis import given, settings
 
 from specjax import kv_cache, verify
 from specjax.kv_cache import KVCache
+from specjax.models.attention import attention
 from specjax.sampling import SamplingParams
 from specjax.tree import Tree
 from specjax.tree import causal_mask
@@ -24,7 +27,20 @@ LAYERS, HEADS, HEAD_DIM = 2, 1, 2
 write = jax.jit(kv_cache.write)
 compact = jax.jit(kv_cache.compact)
 commit = jax.jit(kv_cache.commit)
-attention_mask = jax.jit(kv_cache.attention_mask, static_argnums=2)
+
+
+@partial(jax.jit, static_argnums=2)
+def visible(lengths: jax.Array, block_mask: jax.Array, max_len: int) -> jax.Array:
+    """[B, T, max_len + T] bool: which cache slots, then which block entries, each query of a new
+    block attends, read off the model's attention: zero queries weigh every visible value alike,
+    and every slot, stale or not, holds a value of its own (the one-hot of its index)."""
+    batch, num_queries = lengths.shape[0], block_mask.shape[-1]
+    values = jnp.eye(max_len + num_queries)  # [S + T, S + T]
+    v_cache = jnp.broadcast_to(values[:max_len, None], (1, batch, max_len, 1, max_len + num_queries))
+    v_new = jnp.broadcast_to(values[max_len:, None], (batch, num_queries, 1, max_len + num_queries))
+    q = jnp.zeros((batch, num_queries, 1, 1, max_len + num_queries))
+    out = attention(q, jnp.zeros_like(v_new), v_new, jnp.zeros_like(v_cache), v_cache, 0, lengths, block_mask, 2)
+    return out[:, :, 0, 0] > 0
 
 
 def entries(values: np.ndarray) -> tuple[jax.Array, jax.Array]:
@@ -70,8 +86,8 @@ def test_two_sequences_accept_all_and_reject_at_position_two():
     np.testing.assert_array_equal(values[0, :9], [0, 1, 2, 3, 4, 1005, 1001, 1002, 1003])
     np.testing.assert_array_equal(values[1, :6], [100, 101, 102, 1005, 1001, 1002])
     # Row B's rejected slot (6) is stale: still in the buffer, never visible.
-    mask = attention_mask(cache.lengths, jnp.ones((1, 1), bool), cache.max_len)  # [B, 1, S]
-    np.testing.assert_array_equal(mask[:, 0], np.arange(16)[None, :] <= np.asarray([[9], [6]]))
+    seen = visible(cache.lengths, jnp.ones((1, 1), bool), cache.max_len)  # [B, 1, S + 1]
+    np.testing.assert_array_equal(seen[:, 0, :16], np.arange(16)[None, :] < np.asarray([[9], [6]]))
 
 
 def test_tree_path_compaction_moves_the_right_entries():
@@ -92,22 +108,23 @@ def test_stale_entries_are_never_visible():
     lengths = jnp.asarray([0, 3, 9])
     max_len, block = 12, 3
     causal = causal_mask(block)
-    mask = np.asarray(attention_mask(lengths, causal, max_len))  # [B, T, S]
+    seen = np.asarray(visible(lengths, causal, max_len))  # [B, T, S + T]
     for row, length in enumerate(np.asarray(lengths)):
-        np.testing.assert_array_equal(mask[row, :, :length], True)  # the committed prefix
-        in_buffer = min(block, max_len - length)
-        np.testing.assert_array_equal(mask[row, :, length : length + in_buffer], np.asarray(causal)[:, :in_buffer])
-        np.testing.assert_array_equal(mask[row, :, length + block :], False)  # stale: past the block
+        np.testing.assert_array_equal(seen[row, :, :length], True)  # the committed prefix
+        np.testing.assert_array_equal(seen[row, :, length:max_len], False)  # stale slots
+        np.testing.assert_array_equal(seen[row, :, max_len:], causal)  # the block, by its mask
 
 
 def test_per_row_block_masks():
     """A [B, T, T] tree mask is placed at each row's own offset."""
     parents = jnp.asarray([[-1, 0, 0], [-1, 0, 1]])
     block_mask = Tree(parents=parents, depths=jnp.asarray([[0, 1, 1], [0, 1, 2]]), max_depth=2).ancestor_mask()
-    mask = np.asarray(attention_mask(jnp.asarray([1, 2]), block_mask, 6))
-    np.testing.assert_array_equal(mask[0, :, 1:4], block_mask[0])
-    np.testing.assert_array_equal(mask[1, :, 2:5], block_mask[1])
-    assert not mask[0, 2, 2] and mask[1, 2, 3]  # siblings hidden, chain visible
+    seen = np.asarray(visible(jnp.asarray([1, 2]), block_mask, 6))
+    np.testing.assert_array_equal(seen[0, :, 6:], block_mask[0])
+    np.testing.assert_array_equal(seen[1, :, 6:], block_mask[1])
+    prefix = np.arange(6)[None, :] < np.asarray([1, 2])[:, None]  # [B, S]
+    np.testing.assert_array_equal(seen[:, :, :6], np.broadcast_to(prefix[:, None], (2, 3, 6)))
+    assert not seen[0, 2, 7] and seen[1, 2, 7]  # siblings hidden, chain visible
 
 
 def test_write_drops_out_of_range_slots():

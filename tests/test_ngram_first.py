@@ -42,7 +42,7 @@ def test_rows_with_a_long_enough_match_take_the_lookup_chain():
     lengths = jnp.array([7, 7], jnp.int32)
     ctx = StepContext(pending=history[:, 7], lengths=lengths, history=history, active=jnp.array([True, True]))
     state = drafter.init_state(2, 16)
-    propose, head_propose = jax.jit(drafter.propose), jax.jit(drafter.fallback.propose)  # eager would dispatch op by op
+    propose, head_propose = jax.jit(drafter.propose), jax.jit(drafter.inner.propose)  # eager would dispatch op by op
     _, proposal = propose(drafter.params, state, KEYS, ctx, SamplingParams.make(2))
     _, head_proposal = head_propose(drafter.params, state, KEYS, ctx, SamplingParams.make(2))
     tokens = np.asarray(proposal.tokens)

@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from specjax.drafters.base import Drafter
+from specjax.drafters.base import Drafter, Wrapper
 
 #: Decay of a row's counts per drafting step: its estimate follows about its last ten drafts.
 DECAY = 0.9
@@ -59,11 +59,11 @@ def choose_depth(stats: jax.Array, active: jax.Array, costs: jax.Array) -> jax.A
     return jnp.argmax(tokens / costs).astype(jnp.int32)
 
 
-class AdaptiveDepth(Drafter):
+class AdaptiveDepth(Wrapper):
     """A chain drafter whose draft length the engine chooses every step (see the module doc).
 
-    As a plain drafter it behaves as its deepest variant. costs: a fixed [D + 1] cost vector
-    (e.g. from a stored profile, which also makes seeded sampling reproducible across
+    As a plain drafter it behaves as its deepest variant (`inner`). costs: a fixed [D + 1] cost
+    vector (e.g. from a stored profile, which also makes seeded sampling reproducible across
     processes); None has the engine measure it once per batch size.
     """
 
@@ -72,32 +72,10 @@ class AdaptiveDepth(Drafter):
         if drafter.propose_changes_state:
             raise ValueError(f"{type(drafter).__name__} writes its state while drafting: its draft length cannot vary per step")
         self.variants = tuple(drafter.at_depth(d) for d in range(depth + 1))
-        self.full = self.variants[-1]
-        self.params, self.taps = drafter.params, drafter.taps
-        self.propose_changes_state = drafter.propose_changes_state
+        super().__init__(self.variants[-1])
         if costs is not None and np.shape(costs) != (depth + 1,):
             raise ValueError(f"costs must have one entry per depth 0 .. {depth}, got shape {np.shape(costs)}")
         self.costs = None if costs is None else np.asarray(costs, np.float32)
 
-    @property
-    def num_nodes(self) -> int:
-        return self.full.num_nodes
-
-    @property
-    def max_depth(self) -> int:
-        return self.full.max_depth
-
-    def check_target(self, target_config) -> None:
-        self.full.check_target(target_config)
-
-    def init_state(self, batch_size: int, max_len: int):
-        return self.full.init_state(batch_size, max_len)
-
-    def prefill(self, params, state, chunk):
-        return self.full.prefill(params, state, chunk)
-
     def propose(self, params, state, key, ctx, sampling):
-        return self.full.propose(params, state, key, ctx, sampling)
-
-    def update(self, params, state, ctx, proposal, commit, features, **aux):
-        return self.full.update(params, state, ctx, proposal, commit, features, **aux)
+        return self.inner.propose(params, state, key, ctx, sampling)

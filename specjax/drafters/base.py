@@ -210,6 +210,35 @@ class ChainDrafter(Drafter):
         return variant
 
 
+class Wrapper(Drafter):
+    """A drafter built around another (`inner`), changing only how it proposes: sizes, state,
+    prefill and update are the inner drafter's."""
+
+    def __init__(self, inner: Drafter):
+        self.inner, self.params, self.taps = inner, inner.params, inner.taps
+        self.propose_changes_state = inner.propose_changes_state
+
+    @property
+    def num_nodes(self) -> int:
+        return self.inner.num_nodes
+
+    @property
+    def max_depth(self) -> int:
+        return self.inner.max_depth
+
+    def check_target(self, target_config) -> None:
+        self.inner.check_target(target_config)
+
+    def init_state(self, batch_size: int, max_len: int) -> DrafterState:
+        return self.inner.init_state(batch_size, max_len)
+
+    def prefill(self, params, state, chunk):
+        return self.inner.prefill(params, state, chunk)
+
+    def update(self, params, state, ctx, proposal, commit, features, **aux):
+        return self.inner.update(params, state, ctx, proposal, commit, features, **aux)
+
+
 @dataclasses.dataclass(frozen=True)
 class Priors:
     """Stated guesses `infer.tune` ranks a method by before anything is measured."""

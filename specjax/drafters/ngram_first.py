@@ -21,13 +21,13 @@ import jax.numpy as jnp
 
 from specjax import tree as tree_lib
 from specjax.drafters import eagle3
-from specjax.drafters.base import Drafter, Method, Priors, Proposal, StepContext
+from specjax.drafters.base import Drafter, Method, Wrapper, Priors, Proposal, StepContext
 from specjax.drafters.ngram import lookup
 from specjax.sampling import SamplingParams
 
 
-class NgramFirst(Drafter):
-    """Prompt lookup on a suffix match of >= min_ngram tokens, else the fallback chain drafter."""
+class NgramFirst(Wrapper):
+    """Prompt lookup on a suffix match of >= min_ngram tokens, else the fallback chain drafter (`inner`)."""
 
     def __init__(self, fallback: Drafter, *, min_ngram: int = 3, max_ngram: int | None = None):
         if fallback.num_nodes != fallback.max_depth + 1:
@@ -35,29 +35,11 @@ class NgramFirst(Drafter):
         max_ngram = min_ngram if max_ngram is None else max_ngram
         if not 1 <= min_ngram <= max_ngram:
             raise ValueError(f"need 1 <= min_ngram <= max_ngram, got {min_ngram}, {max_ngram}")
-        self.fallback, self.min_ngram, self.max_ngram = fallback, min_ngram, max_ngram
-        self.params, self.taps = fallback.params, fallback.taps
-        self.propose_changes_state = fallback.propose_changes_state
-
-    @property
-    def num_nodes(self) -> int:
-        return self.fallback.num_nodes
-
-    @property
-    def max_depth(self) -> int:
-        return self.fallback.max_depth
-
-    def check_target(self, target_config) -> None:
-        self.fallback.check_target(target_config)
-
-    def init_state(self, batch_size: int, max_len: int):
-        return self.fallback.init_state(batch_size, max_len)
+        super().__init__(fallback)
+        self.min_ngram, self.max_ngram = min_ngram, max_ngram
 
     def at_depth(self, depth: int) -> NgramFirst:
-        return NgramFirst(self.fallback.at_depth(depth), min_ngram=self.min_ngram, max_ngram=self.max_ngram)
-
-    def prefill(self, params, state, chunk):
-        return self.fallback.prefill(params, state, chunk)
+        return NgramFirst(self.inner.at_depth(depth), min_ngram=self.min_ngram, max_ngram=self.max_ngram)
 
     def propose(self, params, state, key: jax.Array, ctx: StepContext, sampling: SamplingParams):
         batch, depth = ctx.pending.shape[0], self.max_depth
@@ -65,12 +47,12 @@ class NgramFirst(Drafter):
             ctx.history, ctx.lengths, depth, self.max_ngram, self.min_ngram
         )  # [B, D], [B]
         use_lookup = matched >= self.min_ngram  # [B]
-        probe = jax.eval_shape(lambda: self.fallback.propose(params, state, key, ctx, sampling)[1])
+        probe = jax.eval_shape(lambda: self.inner.propose(params, state, key, ctx, sampling)[1])
         sampled = probe.rule == "rejection"
         one_hot = lambda tokens: jax.nn.one_hot(tokens, probe.draft_probs.shape[-1], dtype=probe.draft_probs.dtype)
 
         def with_fallback():
-            new_state, proposal = self.fallback.propose(params, state, key, ctx, sampling)
+            new_state, proposal = self.inner.propose(params, state, key, ctx, sampling)
             tokens = jnp.where(use_lookup[:, None], looked_up, proposal.tokens[:, 1:])  # [B, D]
             if not sampled:
                 return new_state, (tokens, None)
@@ -84,9 +66,6 @@ class NgramFirst(Drafter):
             drafted, draft_probs = jax.lax.cond(jnp.all(use_lookup | ~ctx.active), lookup_only, lambda: with_fallback()[1])
         tokens = jnp.concatenate([ctx.pending[:, None], drafted], axis=1)  # [B, D + 1]
         return state, Proposal(tree=tree_lib.chain(batch, depth), tokens=tokens, draft_probs=draft_probs, rule=probe.rule)
-
-    def update(self, params, state, ctx, proposal, commit, features):
-        return self.fallback.update(params, state, ctx, proposal, commit, features)
 
 
 def _build(spec, context) -> NgramFirst:
