@@ -9,6 +9,8 @@ plus the drafting, so speedup = tau / (T_verify(N + 1) / T_decode + draft cost /
 tau comes from an acceptance rate (chains) or a per-node reach probability (EAGLE-2 trees).
 Without measurements it uses the stated priors below; --bench replaces them with a bench
 run's acceptance curves and cost ratios, and --measure runs the best few candidates for real.
+A chain method that takes it also gets its adaptive form `NAME:autoD` (the engine picks the depth
+0 .. D every step, drafters/adaptive.py), which --measure times beside the fixed chain.
 """
 
 from __future__ import annotations
@@ -92,11 +94,13 @@ def candidates(args, measured: dict) -> list[Candidate]:
         c = info.get("c", priors.draft_cost)
         source = "measured" if info else "prior"
         shape = (METHODS[method].shape or ("",))[0]
+        chains = []
         for n in range(1, 9) if METHODS[method].num_spec else ():
             tau = chain_tau(alpha, n, info.get("curve"))
             cost = verify_ratio(n + 1, args.batch_size, measured.get("verify")) + n * c
             why = f"alpha={alpha:.2f} ({source}), tau={tau:.2f}, cost={cost:.2f} decode steps (verify {n + 1} tokens + {n} drafts at c={c:.2f})"
-            out.append(Candidate(MethodSpec(method, num_spec=n), tau, cost, why))
+            chains.append(Candidate(MethodSpec(method, num_spec=n), tau, cost, why))
+        out += chains + adaptive(chains)
         for window, ngram, guesses in itertools.product((2, 4, 8), (3, 4, 5), (2, 4, 8)) if shape == LOOKAHEAD else ():
             # The best of G pool n-grams is accepted like a chain of N - 1 (prior); the window rides along.
             tau = chain_tau(alpha, ngram - 1, info.get("curve"))
@@ -114,13 +118,37 @@ def candidates(args, measured: dict) -> list[Candidate]:
     return sorted(out, key=lambda c: -c.speedup)
 
 
+def adaptive_form(spec: MethodSpec) -> MethodSpec | None:
+    """`NAME:autoN` for the chain `NAME:N`; None where the method has no adaptive form."""
+    try:
+        return dataclasses.replace(spec, adaptive=True)
+    except ValueError:  # not a chain method (ar, trees, lookahead) or one that cannot vary it (draft)
+        return None
+
+
+def adaptive(chains: list[Candidate]) -> list[Candidate]:
+    """The adaptive form of a method's best chain, up to that chain's depth D (none if it has none).
+
+    Every step the engine picks the depth d in 0 .. D with the most tokens per unit of cost, so
+    the model predicts the best fixed depth's speedup, floored at plain decoding (d = 0: tau 1, cost 1).
+    """
+    best = max(chains, key=lambda c: c.speedup, default=None)
+    spec = adaptive_form(best.spec) if best else None
+    if spec is None:
+        return []
+    tau, cost = (best.tau, best.cost) if best.speedup > 1.0 else (1.0, 1.0)
+    why = (f"adaptive depth 0..{spec.num_spec}: the best fixed depth's prediction ({best.spec.label}, "
+           f"{best.speedup:.2f}x), floored at plain decoding")
+    return [Candidate(spec, tau, cost, why)]
+
+
 def measured_from_bench(path: str) -> dict:
     """Acceptance curves, draft cost ratios and verify-cost points from a bench JSON."""
     results = json.loads(Path(path).read_text())["results"]
     measured: dict = {"verify": {1: 1.0}}
     for r in results:
         spec = MethodSpec.parse(r["method"])
-        if spec.method == "ar":
+        if spec.method == "ar" or spec.adaptive:  # adaptive rows mix depths and draft where acceptance runs high
             continue
         measured["verify"][r["block"]] = r["verify_over_decode"]
         if spec.num_spec is not None:
@@ -142,8 +170,18 @@ def switch_temperature(args, measured: dict) -> float | None:
     return None
 
 
+def sweep_specs(args, ranked: list[Candidate]) -> list[MethodSpec]:
+    """What --measure runs: ar, the first method at its defaults, the --measure-top best predicted
+    fixed configurations, and the best-ranked chain with its adaptive form (side by side)."""
+    defaults = [MethodSpec(name) for name in args.method_names[:1]]
+    fixed = [c.spec for c in ranked if not c.spec.adaptive]
+    chain = next((spec for spec in fixed if adaptive_form(spec)), None)
+    paired = [chain, adaptive_form(chain)] if chain else []
+    return list(dict.fromkeys([MethodSpec("ar")] + defaults + fixed[: args.measure_top] + paired))
+
+
 def measure(args, ranked: list[Candidate]) -> list[tuple[MethodSpec, float]]:
-    """Run ar, the default configuration and the best predicted ones on the task's prompts, interleaved."""
+    """Run `sweep_specs` on the task's prompts, interleaved."""
     from infer import prompts as prompt_sets
     from infer.bench import interleaved_passes
     from specjax.engine import Engine
@@ -154,12 +192,10 @@ def measure(args, ranked: list[Candidate]) -> list[tuple[MethodSpec, float]]:
     cycled = [texts[i % len(texts)] for i in range(max(args.batch_size, len(texts)))]
     token_ids = [tokenizer.encode(tokenizer.chat_prompt(t)) for t in cycled]
     batches = [token_ids[i : i + args.batch_size] for i in range(0, len(token_ids) - args.batch_size + 1, args.batch_size)]
-    defaults = [MethodSpec(name) for name in args.method_names[:1]]  # the first method at its defaults
-    specs = list(dict.fromkeys([MethodSpec("ar")] + defaults + [c.spec for c in ranked[: args.measure_top]]))
     engines = {
         spec: Engine(config, params, common.build_drafter(spec, args, config, params),
                      max_len=args.max_len, eos_ids=tokenizer.eos_token_ids)
-        for spec in specs
+        for spec in sweep_specs(args, ranked)
     }
     sampling = common.sampling_params(args, args.batch_size)
     passes = interleaved_passes(engines, batches, sampling, args.max_new_tokens, args.repeats, args.seed)
@@ -208,10 +244,12 @@ def render(args, ranked: list[Candidate], switch: float | None, measured_runs) -
 
 
 def cli_flags(spec: MethodSpec) -> str:
+    """infer.generate's flags for the spec (`common.method_spec` parses them back to it)."""
     flags = f"--method {spec.method}"
     if spec.shape:
         return flags + f" {'--tree' if spec.tree else '--lookahead'} {','.join(map(str, spec.shape))}"
-    return flags if spec.num_spec is None else flags + f" --num-spec {spec.num_spec}"
+    flags = flags if spec.num_spec is None else flags + f" --num-spec {spec.num_spec}"
+    return flags + " --auto" if spec.adaptive else flags
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

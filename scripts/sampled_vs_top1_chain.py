@@ -20,9 +20,10 @@ from specjax.sampling import SamplingParams
 
 
 class TopOneChain(Eagle3Drafter):
-    """The deterministic top-1 chain (the EAGLE-2 grower with top-k 1), verified by the point-mass rule."""
+    """The deterministic top-1 chain: the EAGLE-2 grower with top-k 1 as for greedy rows (its
+    draft distributions are point masses, for which the rejection rule is the point-mass rule)."""
     def propose(self, params, state, key, ctx, sampling):
-        return state, self.grow_tree(params, state, ctx)
+        return state, self.grow_tree(params, state, key, ctx, SamplingParams.make(ctx.pending.shape[0]))
 
 
 temperature, batch = float(sys.argv[1]), int(sys.argv[2])

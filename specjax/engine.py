@@ -192,8 +192,10 @@ class Engine:
         return jnp.any(tokens[..., None] == eos, axis=-1)
 
     def _verify(self, key, proposal: Proposal, target_probs, sampling) -> verify.Verdict:
-        if proposal.rule == "rejection":
+        if proposal.rule == "rejection" and proposal.tree.num_nodes == proposal.tree.max_depth + 1:  # a chain
             return verify.chain(key, proposal.tokens[:, 1:], proposal.draft_probs, target_probs, sampling)
+        if proposal.rule == "rejection":
+            return verify.sampled_tree(key, proposal.tree, proposal.tokens, proposal.draft_probs, target_probs, sampling)
         if proposal.rule == "point_mass":
             return verify.tree(key, proposal.tree, proposal.tokens, target_probs, sampling)
         raise ValueError(f"unknown verification rule {proposal.rule!r}")

@@ -4,11 +4,17 @@ Both rules are exact: the emitted tokens (the accepted drafts, then `next_token`
 distributed as if sampled one by one from the target's processed distribution q
 (`sampling.probs`). Greedy rows (temperature 0) take the argmax walk, with no randomness.
 
-chain: drafts sampled from known distributions p (Leviathan et al. 2023; Chen et al. 2023).
-tree:  deterministic candidates (EAGLE-2 top-k, n-gram, Medusa), verified by the point-mass
-       rule of docs/architecture.md: at an accepted node with residual r (starting at q), try the children
-       in index order, accept child c with probability r(c), on rejection zero r(c) and
-       renormalise; if every child is rejected, sample from r.
+chain:        drafts sampled from known distributions p (Leviathan et al. 2023; Chen et al. 2023).
+tree:         deterministic candidates (EAGLE-2 top-k, n-gram, Medusa), verified by the point-mass
+              rule of docs/architecture.md: at an accepted node with residual r (starting at q), try the
+              children in index order, accept child c with probability r(c), on rejection zero r(c)
+              and renormalise; if every child is rejected, sample from r.
+sampled_tree: each node's children drawn one after another without replacement from its draft
+              distribution p (multi-draft speculative sampling, as SpecInfer): child j is tried
+              with the residual r_j and p_j = p without the earlier siblings, renormalised, and
+              accepted with probability min(1, r_j(c) / p_j(c)); on rejection
+              r_{j+1} = normalise(max(r_j - p_j, 0)). Given the earlier siblings, c_j is drawn from
+              p_j, so each try is one step of the chain rule and the node emits exactly q.
 
 Conventions that keep both rules exact and safe:
 - Acceptance test: draft d is accepted iff u * p(d) < q(d) with u ~ U(0, 1), that is with
@@ -252,3 +258,107 @@ def tree(
     then has r = 0). Greedy rows follow the first child whose token is argmax q.
     """
     return _tree(key, tree, node_tokens, target_probs, params, _residual)
+
+
+def _sampled_tree_row(
+    uniform: jax.Array,  # [N] one acceptance uniform per node
+    gumbel: jax.Array,  # [V]
+    parents: jax.Array,  # [N]
+    ancestors: jax.Array,  # [N, N] ancestor-or-self mask
+    depths: jax.Array,  # [N]
+    node_tokens: jax.Array,  # [N]
+    draft_probs: jax.Array,  # [N - 1, V] the distribution node i + 1 was drawn from (its parent's p)
+    target_probs: jax.Array,  # [N, V]
+    greedy: jax.Array,  # [] bool
+    max_depth: int,
+    residual: Residual,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """(accepted, next_token, path) for one row of `sampled_tree`.
+
+    Every node tries its children in rounds, the j-th child in round j, all nodes at once: after
+    the rounds each node holds its residual once every child was rejected. A child with
+    p_j(c) = 0 (drawn after p's support ran out) is never accepted and changes nothing.
+    """
+    num_nodes = target_probs.shape[0]
+    nodes = jnp.arange(num_nodes)
+    drafted = nodes > 0
+    siblings = (parents[:, None] == parents[None, :]) & drafted[:, None] & drafted[None, :]  # [N, N]
+    tried_before = siblings & (nodes[None, :] < nodes[:, None])  # [j, k]: k is tried before j
+    rank = jnp.sum(tried_before, axis=1)  # [N] position among siblings
+    children = (parents[None, :] == nodes[:, None]) & drafted[None, :]  # [parent, child]
+    first_child = jnp.argmax(children & (rank == 0)[None, :], axis=1)  # [N]
+    p_of = jnp.concatenate([jnp.zeros_like(draft_probs[:1]), draft_probs])  # [N, V] by node
+    p = jnp.where(jnp.any(children, axis=1)[:, None], p_of[first_child], 0.0)  # [N, V] each node's p_j
+
+    def round_(j, carry):
+        r, p, ok = carry  # [N, V], [N, V], [N]
+        child_mask = children & (rank == j)[None, :]  # [N, N]
+        child = jnp.argmax(child_mask, axis=1)  # [N], meaningless where a node has no j-th child
+        token = node_tokens[child]  # [N]
+        p_token, r_token = p[nodes, token], r[nodes, token]  # [N]
+        tried = jnp.any(child_mask, axis=1) & (p_token > 0)  # [N]
+        passes = tried & (uniform[child] * p_token < r_token)
+        ok = ok | jnp.any(child_mask & passes[:, None], axis=0)
+        remaining = p.at[nodes, token].set(0.0)
+        mass = jnp.sum(remaining, axis=1, keepdims=True)
+        r = jnp.where(tried[:, None], residual(r, p), r)
+        p = jnp.where(tried[:, None], remaining / jnp.where(mass > 0, mass, 1.0), p)
+        return r, p, ok
+
+    max_children = jnp.max(jnp.where(drafted, rank, -1)) + 1
+    r, _, sampled_ok = jax.lax.fori_loop(0, max_children, round_, (target_probs, p, jnp.zeros(num_nodes, bool)))
+    greedy_ok = node_tokens == jnp.argmax(target_probs, axis=-1)[jnp.maximum(parents, 0)]
+    ok = jnp.where(greedy, greedy_ok, sampled_ok) & drafted  # [N]
+    first_ok = ok & ~jnp.any(tried_before & ok[None, :], axis=1)  # [N], the child the walk takes
+    on_path = jnp.all((first_ok | ~drafted)[None, :] | ~ancestors, axis=1)  # [N]
+    stop = jnp.argmax(jnp.where(on_path, depths, -1))
+    at_depth = on_path[None, :] & (depths[None, :] == jnp.arange(max_depth + 1)[:, None])  # [D + 1, N]
+    path = jnp.where(jnp.any(at_depth, axis=1), jnp.argmax(at_depth, axis=1), stop)  # [D + 1]
+    next_token = jnp.where(greedy, jnp.argmax(target_probs[stop]), _draw(gumbel, r[stop]))
+    return depths[stop].astype(jnp.int32), next_token.astype(jnp.int32), path.astype(jnp.int32)
+
+
+def _sampled_tree(key, tree, node_tokens, draft_probs, target_probs, params, residual: Residual) -> Verdict:
+    """`sampled_tree` with the residual rule as a parameter (tests swap in wrong rules). An
+    all-greedy batch takes `tree`'s cheaper argmax walk, which is the same walk."""
+    row = functools.partial(_sampled_tree_row, max_depth=tree.max_depth, residual=residual)
+
+    def sampled():
+        uniform, gumbel = _noise(key, params, node_tokens.shape[1], target_probs.shape[-1])
+        return jax.vmap(row)(
+            uniform, gumbel, tree.parents, tree.ancestor_mask(), tree.depths, node_tokens, draft_probs, target_probs, params.greedy
+        )
+
+    def argmax_walk():
+        verdict = _tree(key, tree, node_tokens, target_probs, params, residual)
+        return verdict.accepted, verdict.next_token, verdict.path
+
+    accepted, next_token, path = jax.lax.cond(jnp.all(params.greedy), argmax_walk, sampled)
+    return Verdict(
+        accepted=accepted,
+        next_token=next_token,
+        path=path,
+        accepted_at=jnp.arange(tree.max_depth)[None, :] < accepted[:, None],
+    )
+
+
+@jax.jit
+def sampled_tree(
+    key: jax.Array,
+    tree: Tree,
+    node_tokens: jax.Array,
+    draft_probs: jax.Array,
+    target_probs: jax.Array,
+    params: SamplingParams,
+) -> Verdict:
+    """Verify a tree whose siblings were sampled without replacement (multi-draft speculative sampling).
+
+    key:          one key, or [B] per-row keys.
+    tree:         topology; siblings in the order they were drawn.
+    node_tokens:  [B, N] int, node_tokens[:, 0] is the pending token.
+    draft_probs:  [B, N - 1, V] the distribution p node i + 1 and its siblings were drawn from (their
+                  parent's); without replacement: a token occurs at most once among siblings.
+    target_probs: [B, N, V], processed q at node i.
+    Greedy rows follow the first child whose token is argmax q, as `tree`.
+    """
+    return _sampled_tree(key, tree, node_tokens, draft_probs, target_probs, params, _residual)

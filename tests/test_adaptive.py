@@ -111,7 +111,7 @@ def test_specs():
     spec = MethodSpec.parse("eagle3:auto6")
     assert spec.adaptive and spec.num_spec == 6 and spec.label == "eagle3:auto6"
     assert MethodSpec.parse("ngram:auto") == MethodSpec("ngram", num_spec=5, adaptive=True)
-    for text, error in [("ar:auto", "only chain methods"), ("lookahead:auto", "only chain methods"),
+    for text, error in [("ar:auto", "only chain methods"), ("lookahead:auto", "only chain methods"), ("draft:auto", "without writing state"),
                         ("eagle3:autox", "METHOD:auto"), ("eagle3:auto0", ">= 1")]:
         with pytest.raises(ValueError, match=error):
             MethodSpec.parse(text)

@@ -4,11 +4,12 @@ A tiny random target (vocabulary 12) decodes one prompt in many rows of one batc
 empirical joint distribution of (t1, t2, t3) is compared, by chi-square, with the exact one
 enumerated from the target: q(t1) q(t2 | t1) q(t3 | t1, t2), where q is the processed
 distribution (`sampling.probs`). Chains (a sampled draft model, and an EAGLE-3 head sampling its
-drafts; Leviathan rule) and tree (an
-EAGLE-2 tree from a random EAGLE-3 head, point-mass rule; Lookahead's pool n-grams with its
-window riding along; an EAGLE-3 chain of adaptive length), at temperature 1 and with top-p
-(n-gram-first drafting: test_ngram_first.py, same check).
-A deliberately broken commit must fail the same check.
+drafts; Leviathan rule), trees (an EAGLE-2 tree from a random EAGLE-3 head, siblings sampled
+without replacement, multi-draft rule, pruned to its first nodes or keeping its whole pool;
+Lookahead's pool n-grams with its window riding along, point-mass rule) and an EAGLE-3 chain
+of adaptive length, at temperature 1 and with top-p (n-gram-first drafting:
+test_ngram_first.py, same check). A deliberately broken commit, and drafters misreporting their
+draft distributions, must fail the same check.
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ PARAMS = tiny_params(CONFIG, seed=1, scale=10.0)
 DRAFT_CONFIG = tiny_config(vocab_size=VOCAB, num_layers=1, hidden_size=16)
 DRAFT_PARAMS = tiny_params(DRAFT_CONFIG, seed=2, scale=10.0)
 PROMPT = [3, 7, 1]
-MAX_LEN = 16
+MAX_LEN = 32  # room for a 10-node tree after the prompt and three tokens
 PEAKED = 50.0  # a random EAGLE-3 head's logits scaled up: its sampled drafts are far from uniform
 SETTINGS = {"t1": dict(temperature=1.0), "top_p": dict(temperature=1.0, top_p=0.8)}
 
@@ -67,7 +68,8 @@ def sample_joint(engine: Engine, setting: dict, seed: int) -> np.ndarray:
 def make_engine(method: str) -> Engine:
     drafter = {
         "chain": lambda: DraftModelDrafter(DRAFT_CONFIG, DRAFT_PARAMS, num_draft=2),
-        "tree": lambda: eagle3_drafter(CONFIG, PARAMS, depth=2, top_k=2, nodes=4),
+        "tree": lambda: eagle3_drafter(CONFIG, PARAMS, depth=2, top_k=2, nodes=4, logit_scale=PEAKED),
+        "tree-pool": lambda: eagle3_drafter(CONFIG, PARAMS, depth=3, top_k=2, nodes=10, logit_scale=PEAKED),
         "eagle3-chain": lambda: eagle3_drafter(CONFIG, PARAMS, depth=2, logit_scale=PEAKED),
         "lookahead": lambda: LookaheadDrafter(VOCAB, window=2, ngram=3, guesses=2),
         # The engine picks the chain's length (0, 1 or 2) every step from the rows' acceptance.
@@ -81,7 +83,7 @@ cached_engine = functools.cache(make_engine)  # one compilation per method, shar
 
 @pytest.mark.parametrize(
     "method, setting",
-    [(m, s) for m in ("chain", "tree", "lookahead") for s in sorted(SETTINGS)] + [("eagle3-chain", "t1")],
+    [(m, s) for m in ("chain", "tree", "lookahead") for s in sorted(SETTINGS)] + [("eagle3-chain", "t1"), ("tree-pool", "t1")],
 )  # the sampled EAGLE-3 chain meets truncated distributions through the draft model's rule
 def test_first_three_tokens_follow_the_target(method, setting):
     samples = sample_joint(cached_engine(method), SETTINGS[setting], seed=11)
@@ -94,19 +96,20 @@ def test_adaptive_draft_length_follows_the_target():
     assert chi_square_pvalue(samples, exact_joint(SETTINGS["t1"])) > 1e-4
 
 
-def test_misreported_draft_probabilities_are_detected():
-    """Power check for the sampled EAGLE-3 chain: verifying against a flattened p (the drafts still
+@pytest.mark.parametrize("method", ["eagle3-chain", "tree"])
+def test_misreported_draft_probabilities_are_detected(method):
+    """Power check for sampled EAGLE-3 drafts: verifying against a flattened p (the drafts still
     come from the head's true p) must fail the same check."""
+    drafter = make_engine(method).drafter
 
-    class Flattened(type(eagle3_drafter(CONFIG, PARAMS, depth=2))):
-        def sample_chain(self, *args):
-            proposal = super().sample_chain(*args)
+    class Flattened(type(drafter)):
+        def propose(self, *args):
+            state, proposal = super().propose(*args)
             flat = jnp.sqrt(proposal.draft_probs)
-            return proposal.replace(draft_probs=flat / flat.sum(-1, keepdims=True))
+            return state, proposal.replace(draft_probs=flat / flat.sum(-1, keepdims=True))
 
-    wrong = eagle3_drafter(CONFIG, PARAMS, depth=2, logit_scale=PEAKED)
-    wrong.__class__ = Flattened  # the same head and weights, misreporting p
-    samples = sample_joint(Engine(CONFIG, PARAMS, wrong, max_len=MAX_LEN, eos_ids=()), SETTINGS["t1"], seed=11)
+    drafter.__class__ = Flattened  # the same head and weights, misreporting p
+    samples = sample_joint(Engine(CONFIG, PARAMS, drafter, max_len=MAX_LEN, eos_ids=()), SETTINGS["t1"], seed=11)
     assert chi_square_pvalue(samples, exact_joint(SETTINGS["t1"])) < 1e-6
 
 

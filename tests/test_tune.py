@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 
 import pytest
 
-from infer import tune
+from infer import common, generate, tune
 from specjax import theory
+from specjax.drafters.registry import MethodSpec
 
 
 def test_tree_with_one_child_per_node_is_a_chain():
@@ -43,6 +45,63 @@ def test_bench_measurements_replace_the_priors(tmp_path):
     best = float(re.search(r"predicted (\d+\.\d+)x", text).group(1))
     assert best > 3.0  # 0.95 acceptance with cheap verification: far above the chat prior
     assert "ms/token meets the target" in text
+
+
+@pytest.mark.parametrize("batch_size", [1, 64])
+def test_adaptive_candidates_predict_the_best_fixed_depth_floored_at_plain_decoding(batch_size):
+    args = tune.parse_args(["--task", "code", "--batch-size", str(batch_size)])
+    ranked = tune.candidates(args, {})
+    adaptive = [c for c in ranked if c.spec.adaptive]
+    assert sorted(c.spec.method for c in adaptive) == sorted(args.method_names)  # every default method takes :auto
+    for auto in adaptive:
+        chains = [c for c in ranked if c.spec.method == auto.spec.method and not c.spec.adaptive and not c.spec.shape]
+        within = [c.speedup for c in chains if c.spec.num_spec <= auto.spec.num_spec]
+        assert auto.speedup == pytest.approx(max([1.0] + within))  # the engine's best depth 0 .. D
+        assert auto.speedup >= max(c.speedup for c in chains) and auto.speedup >= 1.0
+        assert MethodSpec.parse(auto.spec.label) == auto.spec
+        assert "best fixed depth" in auto.reasoning and "floored at plain decoding" in auto.reasoning
+    if batch_size == 64:  # no fixed chain pays here: the adaptive forms fall back to plain decoding, ar still leads
+        assert all(auto.speedup == 1.0 for auto in adaptive) and ranked[0].spec == MethodSpec("ar")
+
+
+def test_adaptive_only_where_the_drafter_can_vary_its_depth():
+    ranked = tune.candidates(tune.parse_args(["--methods", "draft,ngram,lookahead", "--draft", "unused"]), {})
+    assert {c.spec.method for c in ranked if c.spec.adaptive} == {"ngram"}
+
+
+def test_bench_adaptive_rows_do_not_replace_a_chains_acceptance(tmp_path):
+    row = {"batch_size": 1, "block": 5, "verify_over_decode": 1.2, "c": 0.0}
+    bench = {"results": [{**row, "method": "ngram:4", "acceptance_by_position": [0.9] * 4},
+                         {**row, "method": "ngram:auto4", "acceptance_by_position": [0.2] * 4}]}
+    path = tmp_path / "bench.json"
+    path.write_text(json.dumps(bench))
+    assert tune.measured_from_bench(str(path))["ngram"]["alpha"] == pytest.approx(0.9)
+
+
+@pytest.mark.parametrize("argv", [["--task", "code"], ["--task", "chat", "--batch-size", "64"], ["--methods", "eagle3", "--measure-top", "1"]])
+def test_measure_sweeps_the_best_chain_fixed_and_adaptive(argv):
+    args = tune.parse_args(argv)
+    ranked = tune.candidates(args, {})
+    specs = tune.sweep_specs(args, ranked)
+    best_chain = next(c.spec for c in ranked if c.spec.num_spec and not c.spec.adaptive)
+    assert specs[0] == MethodSpec("ar") and len(set(specs)) == len(specs)
+    assert best_chain in specs and [s for s in specs if s.adaptive] == [dataclasses.replace(best_chain, adaptive=True)]
+    fixed = [c.spec for c in ranked if not c.spec.adaptive][: args.measure_top]
+    assert all(spec in specs for spec in fixed)
+
+
+def test_every_rendered_command_parses_back_to_its_spec():
+    args = tune.parse_args(["--task", "code", "--methods", "eagle3,eagle3+ngram,ngram,lookahead"])
+    ranked = tune.candidates(args, {})
+    for candidate in ranked:
+        generate_args = generate.parse_args(tune.cli_flags(candidate.spec).split())
+        assert common.method_spec(generate_args) == candidate.spec
+    auto = next(c.spec for c in ranked if c.spec.adaptive)
+    text = tune.render(args, ranked, None, [(MethodSpec("ar"), 10.0), (ranked[0].spec, 15.0), (auto, 20.0)])
+    assert f"**Use `{auto.label}`**" in text
+    command = re.search(r"python -m infer\.generate (.+)", text).group(1)
+    assert "--auto" in command.split()
+    assert common.method_spec(generate.parse_args(command.split())) == auto
 
 
 @pytest.mark.slow

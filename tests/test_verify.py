@@ -215,6 +215,33 @@ def tree_step(verify_fn, model: Bigram, topology: Tree, contexts: np.ndarray, ke
     return np.asarray(emitted_tokens(verdict, node_tokens)), verdict
 
 
+def sampled_tree_step(verify_fn, model: Bigram, topology: Tree, rng: np.random.Generator, key, context: np.ndarray):
+    """One decode step: each node's children drawn from p at the node one after another without
+    replacement (once p's support is used up, a child takes a fresh token of probability 0),
+    verified by the multi-draft rule. Returns (emitted, verdict)."""
+    parents = np.asarray(topology.parents[0])
+    rows = np.arange(BATCH)
+    node_contexts, draft_probs = [context], []
+    for node in range(1, len(parents)):
+        p = model.draft[ROW_KIND, node_contexts[parents[node]]]  # [B, V]
+        taken = np.zeros((BATCH, VOCAB), bool)
+        for sibling in range(1, node):
+            if parents[sibling] == parents[node]:
+                taken[rows, node_contexts[sibling]] = True
+        remaining = np.where(taken, 0.0, p)
+        left = remaining.sum(1) > 0
+        fresh = np.argmax(~taken & (p == 0), axis=1)  # a token no sibling has, with p = 0
+        node_contexts.append(np.where(left, draw(rng, np.where(left[:, None], remaining, 1.0)), fresh))
+        draft_probs.append(p)
+    node_contexts = np.stack(node_contexts, 1)  # [B, N]
+    node_tokens = node_contexts.copy()
+    node_tokens[:, 0] = np.minimum(context, VOCAB - 1)  # the root is the pending token
+    target_probs = model.target[ROW_KIND[:, None], node_contexts]  # [B, N, V]
+    node_tokens = jnp.asarray(node_tokens, jnp.int32)
+    verdict = verify_fn(key, topology, node_tokens, jnp.asarray(np.stack(draft_probs, 1)), jnp.asarray(target_probs), model.params)
+    return np.asarray(emitted_tokens(verdict, node_tokens)), verdict
+
+
 def decode(step, key) -> tuple[np.ndarray, tuple]:
     """The first SEQUENCE emitted tokens per row [B, SEQUENCE], decoding step after step from
     the prompt (each step starts from the last token emitted), and the first step's outputs
@@ -249,6 +276,7 @@ def unnormalised_residual(q, p):
 
 WRONG_CHAIN = {"no_residual": jax.jit(functools.partial(verify._chain, residual=no_residual))}
 WRONG_TREE = {"unnormalised_residual": jax.jit(functools.partial(verify._tree, residual=unnormalised_residual))}
+WRONG_SAMPLED_TREE = {"no_residual": jax.jit(functools.partial(verify._sampled_tree, residual=no_residual))}
 
 
 def model(name: str) -> Bigram:
@@ -286,6 +314,19 @@ def _run_tree(name: str, rule: str, duplicate_siblings: bool):
     contexts = tree_contexts(model(name), duplicate_siblings)
     step = functools.partial(tree_step, verify_fn, model(name), tree_topology(), contexts)
     return decode(step, jax.random.key(name_seed(name) + duplicate_siblings))
+
+
+def run_sampled_tree(name: str, rule: str = "exact"):
+    """(tokens [B, SEQUENCE], first step's (emitted, verdict)), shared across tests."""
+    return _run_sampled_tree(name, rule)
+
+
+@functools.cache
+def _run_sampled_tree(name: str, rule: str):
+    verify_fn = verify.sampled_tree if rule == "exact" else WRONG_SAMPLED_TREE[rule]
+    rng = np.random.default_rng(name_seed(name) + 1)
+    step = functools.partial(sampled_tree_step, verify_fn, model(name), tree_topology(), rng)
+    return decode(step, jax.random.key(name_seed(name) + 1))
 
 
 def pvalues(bigram_model: Bigram, tokens: np.ndarray) -> list[list[float]]:
@@ -442,6 +483,35 @@ def test_tree_reach_matches_point_mass_probabilities(duplicate_siblings):
         measured = on_path[rows].mean(0)
         standard_error = np.sqrt(expected * (1 - expected) / rows.sum())
         assert np.all(np.abs(measured - expected) <= ACCEPT_SIGMAS * standard_error + 1e-12), (measured, expected)
+
+
+# ----------------------------------------------------------------------------- sampled tree
+
+
+@pytest.mark.parametrize("name", ["drafter-0", "pairs-1"] + CHAIN_CASES)
+def test_sampled_tree_exact(name):
+    """Siblings without replacement, including p with fewer tokens than children (one-hot-p)."""
+    assert_exact(model(name), run_sampled_tree(name)[0])
+
+
+@pytest.mark.parametrize("rule", sorted(WRONG_SAMPLED_TREE))
+def test_sampled_tree_wrong_rule_fails(rule):
+    for kind_pvalues in pvalues(model("drafter-0"), run_sampled_tree("drafter-0", rule)[0]):
+        assert kind_pvalues[0] < P_FAIL and kind_pvalues[-1] < P_FAIL, kind_pvalues
+
+
+def test_sampled_tree_accepts_more_than_point_mass_candidates():
+    """Why sample: with p close to q, a sampled first child is accepted with probability
+    sum(min(p, q)); the top-ranked candidate only with q(top); the root's first try shows it."""
+    bigram_model = model("drafter-0")
+    first_try = {}
+    for rule, run in (("sampled", run_sampled_tree), ("point-mass", run_tree)):
+        _, (_, verdict) = run("drafter-0")
+        first_try[rule] = np.mean(np.asarray(verdict.path)[:, 1] == 1)  # the walk took the first child
+    for kind in range(KINDS):
+        p, q = bigram_model.draft[kind, PROMPT], bigram_model.target[kind, PROMPT]
+        assert np.minimum(p, q).sum() > q[np.argmax(p)]  # the premise, for this model
+    assert first_try["sampled"] > first_try["point-mass"] + 0.02, first_try
 
 
 # ----------------------------------------------------------------------------- properties

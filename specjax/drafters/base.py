@@ -26,7 +26,8 @@ from specjax.tree import Tree
 DrafterState = Any  # a pytree
 
 #: How a proposal is verified: "point_mass" (deterministic candidates, `verify.tree`) or
-#: "rejection" (a chain sampled from `draft_probs`, `verify.chain`).
+#: "rejection" (drafts sampled from `draft_probs`, siblings without replacement: `verify.chain`
+#: for a chain, else `verify.sampled_tree`).
 Rule = Literal["point_mass", "rejection"]
 
 #: The shape of an EAGLE-2 dynamic tree (`Method.shape`): depth, children per expanded node, nodes kept.
@@ -39,8 +40,8 @@ class Proposal:
 
     tree:        topology with N = num_nodes nodes; node 0 is the pending token.
     tokens:      [B, N] target-vocabulary ids; tokens[:, 0] is the pending token.
-    draft_probs: [B, N - 1, V] the distributions the drafted chain tokens were sampled from
-                 (rule "rejection" only).
+    draft_probs: [B, N - 1, V] the distribution node i + 1 was sampled from (its parent's; rule
+                 "rejection" only).
     rule:        static; which verification rule is exact for these drafts.
     aux_tokens:  [B, A] auxiliary nodes run in the same forward, never verified or committed
                  (Lookahead's Jacobi window); their logits go to `update` as aux_logits.
@@ -269,6 +270,7 @@ class Method:
     draft:     what --draft names for it (None: it takes no --draft).
     min_ngram: default shortest suffix match for prompt lookup (None: no lookup).
     priors:    tune's priors; None keeps it out of tune's candidates.
+    adaptive:  whether its chain may take `:auto` (False where drafting writes state).
     """
 
     name: str
@@ -279,3 +281,4 @@ class Method:
     draft: str | None = None
     min_ngram: int | None = None
     priors: Priors | None = None
+    adaptive: bool = True

@@ -112,4 +112,5 @@ METHOD = Method(
         temperature_decay=0.3,
         draft_cost=0.25,
     ),
+    adaptive=False,  # it writes its cache while drafting
 )

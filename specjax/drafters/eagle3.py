@@ -157,7 +157,7 @@ class Eagle3Drafter(Drafter):
             return state, Proposal(tree=chain(ctx.pending.shape[0], 0), tokens=ctx.pending[:, None])
         if self.top_k == 1:
             return state, self.sample_chain(params, state, key, ctx, sampling)
-        return state, self.grow_tree(params, state, ctx)
+        return state, self.grow_tree(params, state, key, ctx, sampling)
 
     def sample_chain(self, params, state: Eagle3State, key, ctx: StepContext, sampling) -> Proposal:
         """A chain of `depth` drafts, each sampled from the head's distribution processed as the
@@ -186,14 +186,34 @@ class Eagle3Drafter(Drafter):
         tokens = jnp.concatenate([ctx.pending[:, None], jnp.stack(drafts, 1)], 1)  # [B, D + 1]
         return Proposal(tree=chain(batch, depth), tokens=tokens, draft_probs=draft_probs, rule="rejection")
 
-    def grow_tree(self, params, state: Eagle3State, ctx: StepContext) -> Proposal:
-        """The EAGLE-2 dynamic tree grown from the newest entry's output (deterministic top-k candidates)."""
+    def grow_tree(self, params, state: Eagle3State, key, ctx: StepContext, sampling) -> Proposal:
+        """The EAGLE-2 dynamic tree grown from the newest entry's output (module doc).
+
+        Each expanded node's K children: for greedy rows its K most likely tokens, for sampled
+        rows K tokens drawn one after another without replacement from the head's distribution
+        processed as the target's (Gumbel top-k). Level by level the K pool nodes of best
+        cumulative draft log-probability are expanded. Greedy rows keep the best T of the pool;
+        sampled rows keep its first T entries (level by level, siblings in draw order), because
+        keeping a node for its own drawn score would bias which tokens are tried. Verified by
+        `verify.sampled_tree` (greedy rows: the argmax walk).
+        """
         cache, hidden, logits = state.cache, state.hidden, state.logits  # [B, H], [B, Vd]
-        batch = ctx.pending.shape[0]
-        k = self.top_k
-        # Pool of candidates, level by level: draft ids, parent pool index (-1: root), score, depth.
-        scores, ids = jax.lax.top_k(jax.nn.log_softmax(logits, -1), k)  # [B, K]
-        pool_ids, pool_scores = [ids], [scores]
+        batch, k = ctx.pending.shape[0], self.top_k
+        keys = jax.vmap(lambda row_key: jax.random.split(row_key, self.depth))(key)  # [B, D]
+        greedy = sampling.greedy[:, None, None]  # [B, 1, 1]
+
+        def children(level_logits, level):
+            """[B, F, Vd] logits at F expanded nodes -> their K children: ids, log-probs, p [B, F, K]."""
+            log_p = jax.nn.log_softmax(level_logits, -1)
+            p = sampling_lib.probs(level_logits, sampling)  # [B, F, Vd]
+            gumbel = jax.vmap(lambda row_key: jax.random.gumbel(row_key, level_logits.shape[1:]))(keys[:, level])
+            _, ids = jax.lax.top_k(jnp.where(greedy, log_p, jnp.log(p) + gumbel), k)  # [B, F, K]
+            return ids, jnp.take_along_axis(log_p, ids, -1), p
+
+        # Pool of candidates, level by level: draft ids, parent pool index (-1: root), score, depth,
+        # and the distribution each was drawn from.
+        ids, scores, p = children(logits[:, None], 0)
+        pool_ids, pool_scores, pool_probs = [ids[:, 0]], [scores[:, 0]], [jnp.repeat(p, k, 1)]
         pool_parents = [jnp.full((batch, k), -1, jnp.int32)]
         pool_depths = [jnp.ones((batch, k), jnp.int32)]
         frontier = jnp.broadcast_to(jnp.arange(k), (batch, k))  # pool indices of the level's best K
@@ -218,17 +238,17 @@ class Eagle3Drafter(Drafter):
             mask = _fed_mask(fed_parents, level)
             positions = cache.lengths[:, None] + fed_depths - 1
             out = self._head(params, cache, fed_tokens, fed_hidden, positions, mask)
-            level_logits = out.logits[:, offset:]  # [B, K, Vd]
-            child_scores, child_ids = jax.lax.top_k(jax.nn.log_softmax(level_logits, -1), k)  # [B, K, K]
+            child_ids, child_scores, p = children(out.logits[:, offset:], level)  # [B, K, K], [B, K, Vd]
             parent_scores = jnp.take_along_axis(all_scores, frontier, 1)  # [B, K]
             child_scores = (parent_scores[:, :, None] + child_scores).reshape(batch, k * k)
             pool_ids.append(child_ids.reshape(batch, k * k))
             pool_scores.append(child_scores)
+            pool_probs.append(jnp.repeat(p, k, 1))
             pool_parents.append(jnp.repeat(frontier, k, axis=1))
             pool_depths.append(jnp.full((batch, k * k), level + 1, jnp.int32))
             # Next frontier: the K best children; their h input is their parent's head output.
             _, best = jax.lax.top_k(child_scores, k)  # [B, K] index among this level's children
-            level_start = sum(p.shape[1] for p in pool_ids[:-1])
+            level_start = sum(level_ids.shape[1] for level_ids in pool_ids[:-1])
             frontier = level_start + best
             frontier_fed_parent = offset + best // k
             frontier_hidden = jnp.take_along_axis(out.hidden[:, offset:], (best // k)[:, :, None], 1)
@@ -238,10 +258,11 @@ class Eagle3Drafter(Drafter):
         parents = jnp.concatenate(pool_parents, 1)
         depths = jnp.concatenate(pool_depths, 1)
         pool_size = ids.shape[1]
-        # Best T; ties go to the earlier (parent-first) pool entry so the kept set stays a tree.
+        # Greedy rows: best T, ties to the earlier (parent-first) pool entry so the kept set stays
+        # a tree; sampled rows: the first T. Either way in pool order (topological, siblings in order).
         tie_break = jnp.arange(pool_size, dtype=jnp.float32) * 1e-6
-        _, kept = jax.lax.top_k(scores - tie_break, self.tree_nodes)
-        kept = jnp.sort(kept, axis=1)  # [B, T] pool order = topological, siblings by score
+        _, best = jax.lax.top_k(scores - tie_break, self.tree_nodes)
+        kept = jnp.where(sampling.greedy[:, None], jnp.sort(best, axis=1), jnp.arange(self.tree_nodes))  # [B, T]
         node_of_pool = jnp.zeros((batch, pool_size), jnp.int32).at[jnp.arange(batch)[:, None], kept].set(
             jnp.arange(1, self.tree_nodes + 1)
         )
@@ -252,8 +273,14 @@ class Eagle3Drafter(Drafter):
             depths=jnp.concatenate([jnp.zeros((batch, 1), jnp.int32), jnp.take_along_axis(depths, kept, 1)], 1),
             max_depth=self.depth,
         )
-        tokens = eagle3.draft_to_target(jnp.take_along_axis(ids, kept, 1), params["d2t"])
-        return Proposal(tree=tree, tokens=jnp.concatenate([ctx.pending[:, None], tokens], 1))
+        tokens = eagle3.draft_to_target(jnp.take_along_axis(ids, kept, 1), d2t)
+        kept_probs = jnp.take_along_axis(jnp.concatenate(pool_probs, 1), kept[:, :, None], 1)  # [B, T, Vd]
+        targets = eagle3.draft_to_target(jnp.arange(kept_probs.shape[-1]), d2t)  # [Vd] target ids
+        vocab = self.head_config.target_vocab_size
+        draft_probs = jnp.zeros((batch, self.tree_nodes, vocab), jnp.float32).at[:, :, targets].set(kept_probs)
+        return Proposal(
+            tree=tree, tokens=jnp.concatenate([ctx.pending[:, None], tokens], 1), draft_probs=draft_probs, rule="rejection"
+        )
 
 
 def _fed_mask(fed_parents: jax.Array, max_depth: int) -> jax.Array:

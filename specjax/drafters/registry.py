@@ -70,8 +70,8 @@ class MethodSpec:
             raise ValueError(f"{self.method} does no prompt lookup: it takes no min_ngram")
         if self.num_spec is not None and self.num_spec < 1:
             raise ValueError(f"{self.method}: the number of drafted tokens must be >= 1, got {self.num_spec}")
-        if self.adaptive and (info.num_spec is None or self.shape):
-            raise ValueError(f"{self.method}: only chain methods take auto (an adaptive draft length)")
+        if self.adaptive and (info.num_spec is None or self.shape or not info.adaptive):
+            raise ValueError(f"{self.method}: only chain methods that draft without writing state take auto (an adaptive draft length)")
         if self.min_ngram is not None and self.min_ngram < 1:
             raise ValueError(f"{self.method}: min_ngram must be >= 1, got {self.min_ngram}")
         if self.num_spec is None and not self.shape:
