@@ -414,11 +414,14 @@ class Engine:
             self._depth_costs[batch_size] = jnp.asarray(costs, jnp.float32)
         return self._depth_costs[batch_size]
 
-    def measure_depth_costs(self, batch_size: int, steps: int = 4, repeats: int = 3) -> np.ndarray:
+    def measure_depth_costs(self, batch_size: int, steps: int = 8, repeats: int = 5) -> np.ndarray:
         """Whole decode steps (draft, verify, commit, update) timed at each forced depth of an
-        adaptive drafter on a synthetic prompt: [D + 1] median seconds per step over round-robin
-        repeats, relative to depth 0. Uses the compiled decode loop itself (nothing new compiles)."""
-        length = max(1, min(64, self.max_len // 4))
+        adaptive drafter: [D + 1] seconds per step relative to depth 0, the median over
+        round-robin repeats, made non-decreasing in depth (a deeper chain does strictly more work;
+        an inversion is timing noise). The synthetic rows hold up to 256 tokens, a chat turn's
+        context, because verifying more tokens costs more over a longer prefix. Uses the compiled
+        decode loop itself (nothing new compiles)."""
+        length = max(1, min(256, self.max_len // 4))
         prompt = [int(t) for t in np.random.default_rng(0).integers(0, self.config.vocab_size, length)]
         prompts, limit = [prompt] * batch_size, self.max_len - length - self.num_nodes
         greedy = sampling_lib.SamplingParams.make(batch_size)
@@ -437,7 +440,7 @@ class Engine:
         if not all(times):
             raise RuntimeError("could not time every draft depth: the synthetic rows finished at once")
         per_step = np.array([np.median(t) for t in times])
-        return per_step / per_step[0]
+        return np.maximum.accumulate(per_step / per_step[0])
 
     # ----------------------------------------------------------------- host driver
 

@@ -95,13 +95,11 @@ def test_the_engine_drafts_long_where_drafts_are_right_and_backs_off_where_wrong
     np.testing.assert_array_equal(wrong.acceptance_by_position, 0.0)
 
 
-
-
 def test_costs_are_measured_once_per_batch_size():
     engine = Engine(CONFIG, PARAMS, AdaptiveDepth(eagle3_drafter(CONFIG, PARAMS, depth=2)), max_len=MAX_LEN)
     engine.measure_depth_costs = functools.partial(engine.measure_depth_costs, steps=2, repeats=1)  # quick
     costs = np.asarray(engine.depth_costs(2))  # whole steps timed at each forced depth
-    assert costs.shape == (3,) and costs[0] == 1.0 and np.all(np.isfinite(costs)) and np.all(costs > 0)
+    assert costs.shape == (3,) and costs[0] == 1.0 and np.all(np.isfinite(costs)) and np.all(np.diff(costs) >= 0)
     assert engine.depth_costs(2) is engine.depth_costs(2)
     with pytest.raises(ValueError, match="one entry per depth 0 .. 2"):
         AdaptiveDepth(eagle3_drafter(CONFIG, PARAMS, depth=2), costs=[1.0, 1.5])

@@ -203,11 +203,18 @@ class Eagle3Drafter(Drafter):
         greedy = sampling.greedy[:, None, None]  # [B, 1, 1]
 
         def children(level_logits, level):
-            """[B, F, Vd] logits at F expanded nodes -> their K children: ids, log-probs, p [B, F, K]."""
+            """[B, F, Vd] logits at F expanded nodes -> their K children's ids and log-probs
+            [B, F, K], and the distribution p [B, F, Vd] they were drawn from (an all-greedy
+            batch skips drawing: zeros)."""
             log_p = jax.nn.log_softmax(level_logits, -1)
-            p = sampling_lib.probs(level_logits, sampling)  # [B, F, Vd]
-            gumbel = jax.vmap(lambda row_key: jax.random.gumbel(row_key, level_logits.shape[1:]))(keys[:, level])
-            _, ids = jax.lax.top_k(jnp.where(greedy, log_p, jnp.log(p) + gumbel), k)  # [B, F, K]
+
+            def drawn():
+                p = sampling_lib.probs(level_logits, sampling)  # [B, F, Vd]
+                gumbel = jax.vmap(lambda row_key: jax.random.gumbel(row_key, level_logits.shape[1:]))(keys[:, level])
+                return jax.lax.top_k(jnp.where(greedy, log_p, jnp.log(p) + gumbel), k)[1], p
+
+            ranked = lambda: (jax.lax.top_k(log_p, k)[1], jnp.zeros_like(log_p))
+            ids, p = jax.lax.cond(jnp.all(sampling.greedy), ranked, drawn)  # [B, F, K], [B, F, Vd]
             return ids, jnp.take_along_axis(log_p, ids, -1), p
 
         # Pool of candidates, level by level: draft ids, parent pool index (-1: root), score, depth,
