@@ -168,6 +168,30 @@ def chain(
     return _chain(key, draft_tokens, draft_probs, target_probs, params, _residual)
 
 
+def _walk(ok, tried_before, ancestors, depths, max_depth: int) -> tuple[jax.Array, jax.Array]:
+    """From the root, follow at each node the first child whose test passed.
+
+    ok [N] (False for the root), tried_before [N, N] ([j, k]: sibling k is tried before j),
+    ancestors [N, N] ancestor-or-self mask, depths [N]. Returns the stop node (the deepest on the
+    path) and the path [D + 1] (node at each depth; past the stop, the stop node repeats).
+    """
+    first_ok = ok & ~jnp.any(tried_before & ok[None, :], axis=1)  # [N], the child the walk takes
+    moves = first_ok | (depths == 0)
+    on_path = jnp.all(moves[None, :] | ~ancestors, axis=1)  # [N], every ancestor-or-self taken
+    stop = jnp.argmax(jnp.where(on_path, depths, -1))
+    at_depth = on_path[None, :] & (depths[None, :] == jnp.arange(max_depth + 1)[:, None])  # [D + 1, N]
+    return stop, jnp.where(jnp.any(at_depth, axis=1), jnp.argmax(at_depth, axis=1), stop)
+
+
+def _tree_verdict(accepted, next_token, path, max_depth: int) -> Verdict:
+    return Verdict(
+        accepted=accepted,
+        next_token=next_token,
+        path=path,
+        accepted_at=jnp.arange(max_depth)[None, :] < accepted[:, None],
+    )
+
+
 def _tree_row(
     uniform: jax.Array,  # [N] one acceptance uniform per node
     gumbel: jax.Array,  # [V]
@@ -207,13 +231,8 @@ def _tree_row(
     r_token = jnp.take_along_axis(r_when_tried, token_slot[:, None], axis=1)[:, 0]  # [N]
     greedy_ok = node_tokens == jnp.argmax(target_probs, axis=-1)[parent]
     ok = jnp.where(greedy, greedy_ok, uniform < r_token) & drafted  # [N]
-    first_ok = ok & ~jnp.any(tried_before & ok[None, :], axis=1)  # [N], the child the walk takes
-    moves = first_ok | ~drafted
-    on_path = jnp.all(moves[None, :] | ~ancestors, axis=1)  # [N], every ancestor-or-self taken
-    stop = jnp.argmax(jnp.where(on_path, depths, -1))  # the deepest node on the path
+    stop, path = _walk(ok, tried_before, ancestors, depths, max_depth)
     accepted = depths[stop]
-    at_depth = on_path[None, :] & (depths[None, :] == jnp.arange(max_depth + 1)[:, None])  # [D + 1, N]
-    path = jnp.where(jnp.any(at_depth, axis=1), jnp.argmax(at_depth, axis=1), stop)  # [D + 1]
     # The stop node's children were all tried and rejected (none for a leaf: the bonus).
     q_stop = target_probs[stop]  # [V]
     children_mass = jnp.zeros_like(q_stop).at[node_tokens].add((parents == stop).astype(q_stop.dtype))  # [V]
@@ -228,12 +247,7 @@ def _tree(key, tree, node_tokens, target_probs, params, residual: Residual) -> V
     accepted, next_token, path = jax.vmap(row)(
         uniform, gumbel, tree.parents, tree.depths, tree.ancestor_mask(), node_tokens, target_probs, params.greedy
     )
-    return Verdict(
-        accepted=accepted,
-        next_token=next_token,
-        path=path,
-        accepted_at=jnp.arange(tree.max_depth)[None, :] < accepted[:, None],
-    )
+    return _tree_verdict(accepted, next_token, path, tree.max_depth)
 
 
 @jax.jit
@@ -309,11 +323,7 @@ def _sampled_tree_row(
     r, _, sampled_ok = jax.lax.fori_loop(0, max_children, round_, (target_probs, p, jnp.zeros(num_nodes, bool)))
     greedy_ok = node_tokens == jnp.argmax(target_probs, axis=-1)[jnp.maximum(parents, 0)]
     ok = jnp.where(greedy, greedy_ok, sampled_ok) & drafted  # [N]
-    first_ok = ok & ~jnp.any(tried_before & ok[None, :], axis=1)  # [N], the child the walk takes
-    on_path = jnp.all((first_ok | ~drafted)[None, :] | ~ancestors, axis=1)  # [N]
-    stop = jnp.argmax(jnp.where(on_path, depths, -1))
-    at_depth = on_path[None, :] & (depths[None, :] == jnp.arange(max_depth + 1)[:, None])  # [D + 1, N]
-    path = jnp.where(jnp.any(at_depth, axis=1), jnp.argmax(at_depth, axis=1), stop)  # [D + 1]
+    stop, path = _walk(ok, tried_before, ancestors, depths, max_depth)
     next_token = jnp.where(greedy, jnp.argmax(target_probs[stop]), _draw(gumbel, r[stop]))
     return depths[stop].astype(jnp.int32), next_token.astype(jnp.int32), path.astype(jnp.int32)
 
@@ -334,12 +344,7 @@ def _sampled_tree(key, tree, node_tokens, draft_probs, target_probs, params, res
         return verdict.accepted, verdict.next_token, verdict.path
 
     accepted, next_token, path = jax.lax.cond(jnp.all(params.greedy), argmax_walk, sampled)
-    return Verdict(
-        accepted=accepted,
-        next_token=next_token,
-        path=path,
-        accepted_at=jnp.arange(tree.max_depth)[None, :] < accepted[:, None],
-    )
+    return _tree_verdict(accepted, next_token, path, tree.max_depth)
 
 
 @jax.jit

@@ -281,10 +281,13 @@ class Eagle3Drafter(Drafter):
             max_depth=self.depth,
         )
         tokens = eagle3.draft_to_target(jnp.take_along_axis(ids, kept, 1), d2t)
-        kept_probs = jnp.take_along_axis(jnp.concatenate(pool_probs, 1), kept[:, :, None], 1)  # [B, T, Vd]
-        targets = eagle3.draft_to_target(jnp.arange(kept_probs.shape[-1]), d2t)  # [Vd] target ids
-        vocab = self.head_config.target_vocab_size
-        draft_probs = jnp.zeros((batch, self.tree_nodes, vocab), jnp.float32).at[:, :, targets].set(kept_probs)
+        zeros = jnp.zeros((batch, self.tree_nodes, self.head_config.target_vocab_size), jnp.float32)
+
+        def distributions():  # [B, T, V] what each kept node was drawn from, in the target vocabulary
+            kept_probs = jnp.take_along_axis(jnp.concatenate(pool_probs, 1), kept[:, :, None], 1)  # [B, T, Vd]
+            return zeros.at[:, :, eagle3.draft_to_target(jnp.arange(kept_probs.shape[-1]), d2t)].set(kept_probs)
+
+        draft_probs = jax.lax.cond(jnp.all(sampling.greedy), lambda: zeros, distributions)  # greedy rows never read it
         return Proposal(
             tree=tree, tokens=jnp.concatenate([ctx.pending[:, None], tokens], 1), draft_probs=draft_probs, rule="rejection"
         )
