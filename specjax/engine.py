@@ -192,7 +192,7 @@ class Engine:
         return jnp.any(tokens[..., None] == eos, axis=-1)
 
     def _verify(self, key, proposal: Proposal, target_probs, sampling) -> verify.Verdict:
-        if proposal.rule == "rejection" and proposal.tree.num_nodes == proposal.tree.max_depth + 1:  # a chain
+        if proposal.rule == "rejection" and proposal.tree.is_chain:
             return verify.chain(key, proposal.tokens[:, 1:], proposal.draft_probs, target_probs, sampling)
         if proposal.rule == "rejection":
             return verify.sampled_tree(key, proposal.tree, proposal.tokens, proposal.draft_probs, target_probs, sampling)
@@ -281,7 +281,7 @@ class Engine:
         )
         # The accepted path's entries into contiguous slots (a chain's already are), then the length update.
         cache = kv.write(cache, out.k, out.v)
-        if proposal.tree.max_depth != proposal.tree.num_nodes - 1:
+        if not proposal.tree.is_chain:
             cache = kv.compact(cache, commit.path)
         cache = kv.commit(cache, commit.num_committed)
 

@@ -27,6 +27,11 @@ class Tree:
     def num_nodes(self) -> int:
         return self.parents.shape[-1]
 
+    @property
+    def is_chain(self) -> bool:
+        """Static: one node per depth (node i's parent is i - 1)."""
+        return self.num_nodes == self.max_depth + 1
+
     def ancestor_mask(self) -> jax.Array:
         """[B, N, N] bool: node i may attend to node j iff j is i or one of its ancestors."""
         return ancestor_mask(self.parents, self.max_depth)

@@ -123,6 +123,12 @@ class Eagle3Drafter(Drafter):
             params["head"], self.head_config, embeddings, hidden, positions, cache, block_mask, chunk_size=self.chunk_size
         )
 
+    def _in_target_vocab(self, params, probs: jax.Array) -> jax.Array:
+        """[B, T, Vd] draft-vocabulary distributions -> [B, T, V] over the target's (0 off the draft vocabulary)."""
+        targets = eagle3.draft_to_target(jnp.arange(probs.shape[-1]), params["d2t"])  # [Vd] target ids
+        zeros = jnp.zeros(probs.shape[:-1] + (self.head_config.target_vocab_size,), jnp.float32)
+        return zeros.at[:, :, targets].set(probs)
+
     def _read(self, params, state: Eagle3State, features, next_tokens, count) -> Eagle3State:
         """Append `count[b]` entries (features [B, W, F], the token after each [B, W]) to the head's cache.
 
@@ -181,8 +187,7 @@ class Eagle3Drafter(Drafter):
                 positions = cache.lengths[:, None] + jnp.arange(fed)
                 out = self._head(params, cache, jnp.stack(fed_tokens, 1), jnp.stack(fed_hidden, 1), positions, causal_mask(fed))
                 logits, hidden = out.logits[:, -1], out.hidden[:, -1]
-        vocab = self.head_config.target_vocab_size
-        draft_probs = jnp.zeros((batch, depth, vocab), jnp.float32).at[:, :, targets].set(jnp.stack(probs, 1))
+        draft_probs = self._in_target_vocab(params, jnp.stack(probs, 1))  # [B, D, V]
         tokens = jnp.concatenate([ctx.pending[:, None], jnp.stack(drafts, 1)], 1)  # [B, D + 1]
         return Proposal(tree=chain(batch, depth), tokens=tokens, draft_probs=draft_probs, rule="rejection")
 
@@ -281,13 +286,12 @@ class Eagle3Drafter(Drafter):
             max_depth=self.depth,
         )
         tokens = eagle3.draft_to_target(jnp.take_along_axis(ids, kept, 1), d2t)
-        zeros = jnp.zeros((batch, self.tree_nodes, self.head_config.target_vocab_size), jnp.float32)
-
-        def distributions():  # [B, T, V] what each kept node was drawn from, in the target vocabulary
-            kept_probs = jnp.take_along_axis(jnp.concatenate(pool_probs, 1), kept[:, :, None], 1)  # [B, T, Vd]
-            return zeros.at[:, :, eagle3.draft_to_target(jnp.arange(kept_probs.shape[-1]), d2t)].set(kept_probs)
-
-        draft_probs = jax.lax.cond(jnp.all(sampling.greedy), lambda: zeros, distributions)  # greedy rows never read it
+        kept_probs = lambda: jnp.take_along_axis(jnp.concatenate(pool_probs, 1), kept[:, :, None], 1)  # [B, T, Vd]
+        draft_probs = jax.lax.cond(  # [B, T, V] what each kept node was drawn from; greedy rows never read it
+            jnp.all(sampling.greedy),
+            lambda: jnp.zeros((batch, self.tree_nodes, self.head_config.target_vocab_size), jnp.float32),
+            lambda: self._in_target_vocab(params, kept_probs()),
+        )
         return Proposal(
             tree=tree, tokens=jnp.concatenate([ctx.pending[:, None], tokens], 1), draft_probs=draft_probs, rule="rejection"
         )
