@@ -261,9 +261,13 @@ class Engine:
         cache = state.cache
         ctx = StepContext(pending=state.pending, lengths=cache.lengths, history=state.history, active=state.active)
         if self.drafter.variants is None:
-            drafter_state, proposal, out, aux, verdict = self._draft_and_verify(
-                self.drafter, params, drafter_params, state, keys, ctx, sampling
-            )
+            run = lambda: self._draft_and_verify(self.drafter, params, drafter_params, state, keys, ctx, sampling)
+            # The loop only runs while some row is active, so `idle` never runs. The conditional
+            # confines the step's reads of the cache (the attention loops) to a branch: without
+            # it XLA:CPU copies the whole cache twice per step before writing it in place
+            # (docs/architecture.md, "Two XLA:CPU pitfalls").
+            idle = lambda: jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), jax.eval_shape(run))
+            drafter_state, proposal, out, aux, verdict = jax.lax.cond(jnp.any(state.active), run, idle)
             depth = self.max_depth
         else:
             drafter_state, proposal, out, aux, verdict, depth = self._adaptive_draft_and_verify(

@@ -103,8 +103,8 @@ def test_gguf_quantized_tensor_is_dequantized(tiny_model, tmp_path):
     weight = tiny_model.model.layers[0].self_attn.q_proj.weight.detach().numpy()
     q8 = gguf.GGMLQuantizationType.Q8_0
     roundtrip = gguf.quants.dequantize(gguf.quants.quantize(permute(weight, 4), q8), q8)
-    np.testing.assert_array_equal(params["layers"]["q_proj"][0], gguf_loader.unpermute(roundtrip, 4).T)
-    assert np.max(np.abs(params["layers"]["q_proj"][0] - weight.T)) < 0.01
+    np.testing.assert_array_equal(params["layers"][0]["q_proj"], gguf_loader.unpermute(roundtrip, 4).T)
+    assert np.max(np.abs(params["layers"][0]["q_proj"] - weight.T)) < 0.01
 
 
 def test_gguf_errors_name_the_problem(tiny_model, tmp_path):

@@ -239,7 +239,7 @@ def test_bfloat16_runs_and_is_close(llama_family, tmp_path):
     model, config, params32 = llama_family
     model.save_pretrained(tmp_path)
     _, params16 = hf.load(tmp_path, jnp.bfloat16)
-    assert params16["layers"]["q_proj"].dtype == jnp.bfloat16
+    assert params16["layers"][0]["q_proj"].dtype == jnp.bfloat16
     tokens = random_tokens(10, 1, PREFILL_LEN)
     out32, _ = prefill(params32, config, tokens, np.array([PREFILL_LEN]))
     out16, _ = prefill(params16, config, tokens, np.array([PREFILL_LEN]))

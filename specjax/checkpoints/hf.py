@@ -104,7 +104,7 @@ def assemble_params(
     where = source if callable(source) else (lambda _name: source)
     shapes = llama.param_shapes(config)
     expected = {names[key]: key for key in shapes if key != "layers"}
-    expected |= {names[key].format(i=i): key for key in shapes["layers"] for i in range(config.num_layers)}
+    expected |= {names[key].format(i=i): key for i, layer in enumerate(shapes["layers"]) for key in layer}
     unexpected = sorted(set(tensors) - set(expected) - ignored)
     if unexpected:
         raise ValueError(f"{where(unexpected[0])}: unexpected tensor(s) in checkpoint: {', '.join(unexpected)}")
@@ -134,10 +134,9 @@ def assemble_params(
         return cast.T if key in LINEAR_KEYS else cast
 
     params = {key: jnp.asarray(take(key, shape)) for key, shape in shapes.items() if key != "layers"}
-    params["layers"] = {
-        key: jnp.asarray(np.stack([take(key, shape[1:], i) for i in range(config.num_layers)]))
-        for key, shape in shapes["layers"].items()
-    }
+    params["layers"] = [
+        {key: jnp.asarray(take(key, shape, i)) for key, shape in layer.items()} for i, layer in enumerate(shapes["layers"])
+    ]
     return params
 
 

@@ -40,7 +40,7 @@ def attention(
     v_new: jax.Array,
     k_cache: jax.Array | None,
     v_cache: jax.Array | None,
-    layer: jax.Array,
+    layer: int,
     lengths: jax.Array | None,
     block_mask: jax.Array,
     chunk_size: int,
@@ -51,7 +51,7 @@ def attention(
     k_new:    [B, T, Hkv, D] keys of the new block (RoPE applied); v_new likewise
     k_cache:  [L, B, S, Hkv, D] the whole cache; only chunks of layer `layer` are read; v_cache likewise;
               None for an empty prefix
-    layer:    [] int32 layer index
+    layer:    the layer's index in the cache
     lengths:  [B] committed slots per row: query (b, t) sees cache slots s < lengths[b]
     block_mask: [B, T, T] or [T, T] bool: query t sees block entry u iff block_mask[..., t, u]
     chunk_size: cache slots per chunk; must divide S

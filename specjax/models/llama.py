@@ -1,14 +1,18 @@
 """The Llama-family target decoder as pure functions over a params pytree.
 
-Params are nested dicts of arrays; matrices are stored [in, out]; per-layer weights are stacked
-on a leading L axis so the layer loop is one `lax.scan`:
+Params are nested dicts of arrays; matrices are stored [in, out]; `layers` is a list of L
+per-layer dicts, and the layer loop is unrolled:
 
     embed_tokens [V, H]      norm [H]      lm_head [H, V] (absent when tie_word_embeddings)
-    layers/input_layernorm [L, H]            layers/post_attention_layernorm [L, H]
-    layers/q_proj [L, H, Hq*D]   layers/k_proj, v_proj [L, H, Hkv*D]   layers/o_proj [L, Hq*D, H]
-    layers/gate_proj, up_proj [L, H, F]      layers/down_proj [L, F, H]
-    layers/q_bias [L, Hq*D], k_bias, v_bias [L, Hkv*D]     (attention_bias, Qwen2)
-    layers/q_norm, k_norm [L, D]                            (qk_norm, Qwen3)
+    layers[i]/input_layernorm [H]            layers[i]/post_attention_layernorm [H]
+    layers[i]/q_proj [H, Hq*D]   layers[i]/k_proj, v_proj [H, Hkv*D]   layers[i]/o_proj [Hq*D, H]
+    layers[i]/gate_proj, up_proj [H, F]      layers[i]/down_proj [F, H]
+    layers[i]/q_bias [Hq*D], k_bias, v_bias [Hkv*D]     (attention_bias, Qwen2)
+    layers[i]/q_norm, k_norm [D]                         (qk_norm, Qwen3)
+
+Why not weights stacked on an L axis and a `lax.scan`: on XLA:CPU every step of the scan copies
+its layer's weights out of the stacked arrays before the matmuls read them, so a decode step
+moved every weight twice (docs/architecture.md, "Two XLA:CPU pitfalls").
 
 `forward` never writes the KV cache: it returns the new block's keys and values, and the caller
 decides what to `kv_cache.write` and `commit` (the decode-step contract in docs/architecture.md).
@@ -62,22 +66,22 @@ def param_shapes(config: ModelConfig) -> Params:
     c = config
     L, H, F, D = c.num_layers, c.hidden_size, c.intermediate_size, c.head_dim
     q_dim, kv_dim = c.num_heads * D, c.num_kv_heads * D
-    layers = {
-        "input_layernorm": (L, H),
-        "q_proj": (L, H, q_dim),
-        "k_proj": (L, H, kv_dim),
-        "v_proj": (L, H, kv_dim),
-        "o_proj": (L, q_dim, H),
-        "post_attention_layernorm": (L, H),
-        "gate_proj": (L, H, F),
-        "up_proj": (L, H, F),
-        "down_proj": (L, F, H),
+    layer = {
+        "input_layernorm": (H,),
+        "q_proj": (H, q_dim),
+        "k_proj": (H, kv_dim),
+        "v_proj": (H, kv_dim),
+        "o_proj": (q_dim, H),
+        "post_attention_layernorm": (H,),
+        "gate_proj": (H, F),
+        "up_proj": (H, F),
+        "down_proj": (F, H),
     }
     if c.attention_bias:
-        layers |= {"q_bias": (L, q_dim), "k_bias": (L, kv_dim), "v_bias": (L, kv_dim)}
+        layer |= {"q_bias": (q_dim,), "k_bias": (kv_dim,), "v_bias": (kv_dim,)}
     if c.qk_norm:
-        layers |= {"q_norm": (L, D), "k_norm": (L, D)}
-    shapes = {"embed_tokens": (c.vocab_size, H), "layers": layers, "norm": (H,)}
+        layer |= {"q_norm": (D,), "k_norm": (D,)}
+    shapes = {"embed_tokens": (c.vocab_size, H), "layers": [dict(layer) for _ in range(L)], "norm": (H,)}
     if not c.tie_word_embeddings:
         shapes["lm_head"] = (H, c.vocab_size)
     return shapes
@@ -211,30 +215,18 @@ def forward(
     inv_freq = rope_frequencies(config)
     hidden = embed(params, tokens)  # [B, T, H]
 
-    # Feature capture: every layer writes its input into a buffer slot; non-feature layers
-    # write to a trailing scratch slot, so capturing costs one [B, T, H] write per layer.
-    captured = sorted(set(feature_layers))
-    slot_of_layer = np.full(config.num_layers, len(captured), np.int32)
-    slot_of_layer[captured] = np.arange(len(captured))
-    features = jnp.zeros((len(captured) + 1,) + hidden.shape, hidden.dtype) if captured else None
-
-    def layer_step(carry, layer_inputs):
-        x, features = carry
-        w, layer, slot = layer_inputs
-        if features is not None:
-            features = lax.dynamic_update_index_in_dim(features, x, slot, 0)
-        attn_out, k, v = _attention_block(config, w, x, layer, positions, inv_freq, cache, block_mask, chunk_size)
-        x = x + attn_out
-        x = x + _mlp_block(config, w, x)
-        return (x, features), (k, v)
-
-    layer_inputs = (params["layers"], jnp.arange(config.num_layers, dtype=jnp.int32), jnp.asarray(slot_of_layer))
-    (hidden, features), (k_new, v_new) = lax.scan(layer_step, (hidden, features), layer_inputs)
-    if features is not None:
-        order = [captured.index(layer) for layer in feature_layers]
-        features = features[jnp.asarray(order)]  # [F, B, T, H]
-        features = jnp.moveaxis(features, 0, 2).reshape(hidden.shape[:2] + (-1,))  # [B, T, F*H]
+    captured, k_new, v_new = {}, [], []
+    for layer, w in enumerate(params["layers"]):
+        if layer in feature_layers:
+            captured[layer] = hidden
+        attn_out, k, v = _attention_block(config, w, hidden, layer, positions, inv_freq, cache, block_mask, chunk_size)
+        hidden = hidden + attn_out
+        hidden = hidden + _mlp_block(config, w, hidden)
+        k_new.append(k)
+        v_new.append(v)
+    features = jnp.concatenate([captured[layer] for layer in feature_layers], -1) if feature_layers else None  # [B, T, F*H]
     normed = rms_norm(hidden, params["norm"], config.rms_norm_eps)  # [B, T, H]
     if taps.final_hidden:
         features = normed if features is None else jnp.concatenate([features, normed], -1)
+    k_new, v_new = jnp.stack(k_new), jnp.stack(v_new)  # [L, B, T, Hkv, D]
     return ForwardOutput(logits=project_logits(params, config, normed), k=k_new, v=v_new, features=features)

@@ -19,7 +19,7 @@ from specjax.models.llama import Params, param_shapes
 
 DATA, MODEL = "data", "model"
 
-# Which dimension of each (unstacked) weight is split over "model"; absent = replicated.
+# Which dimension of each weight is split over "model"; absent = replicated.
 _MODEL_DIM = {
     "embed_tokens": 0,  # [V, H] vocab
     "lm_head": 1,  # [H, V] vocab
@@ -36,13 +36,11 @@ _MODEL_DIM = {
 }
 
 
-def _spec(shape: tuple[int, ...], model_dim: int | None, mesh: Mesh, stacked: bool) -> P:
-    """PartitionSpec splitting dimension model_dim (of the unstacked weight) over "model"."""
+def _spec(shape: tuple[int, ...], model_dim: int | None, mesh: Mesh) -> P:
+    """PartitionSpec splitting dimension model_dim of the weight over "model"."""
     axes = [None] * len(shape)
-    if model_dim is not None:
-        dim = model_dim + int(stacked)
-        if shape[dim] % mesh.shape[MODEL] == 0:
-            axes[dim] = MODEL
+    if model_dim is not None and shape[model_dim] % mesh.shape[MODEL] == 0:
+        axes[model_dim] = MODEL
     return P(*axes)
 
 
@@ -58,8 +56,8 @@ def param_specs(config: ModelConfig, mesh: Mesh) -> Params:
     def model_dim(key: str) -> int | None:
         return _MODEL_DIM.get(key) if splittable.get(key, True) else None
 
-    specs = {key: _spec(shape, model_dim(key), mesh, False) for key, shape in shapes.items() if key != "layers"}
-    specs["layers"] = {key: _spec(shape, model_dim(key), mesh, True) for key, shape in shapes["layers"].items()}
+    specs = {key: _spec(shape, model_dim(key), mesh) for key, shape in shapes.items() if key != "layers"}
+    specs["layers"] = [{key: _spec(shape, model_dim(key), mesh) for key, shape in layer.items()} for layer in shapes["layers"]]
     return specs
 
 
