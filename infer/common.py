@@ -77,11 +77,11 @@ def add_method_args(parser: argparse.ArgumentParser) -> None:
     choices = "; ".join(f"{m.name}: {m.help}" for m in METHODS.values())
     spec.add_argument("--method", choices=list(METHODS), default="ar", help=choices)
     spec.add_argument("--num-spec", type=POSITIVE_INT, default=None, help="drafted tokens per step (default: the method's)")
-    spec.add_argument("--tree", type=_shape_arg(TREE), default=None, help=f"an EAGLE-2 dynamic tree {TREE} (eagle3)")
+    spec.add_argument("--tree", type=_shape_arg(TREE), default=None, help=f"a tree {TREE}: an EAGLE-2 dynamic tree (eagle3), a static tree of the heads' top-k (medusa)")
     spec.add_argument("--lookahead", type=_shape_arg(LOOKAHEAD), default=None, help=f"{LOOKAHEAD} (lookahead)")
     spec.add_argument("--min-ngram", type=POSITIVE_INT, default=None, help="shortest suffix match for prompt lookup")
     spec.add_argument("--auto", action="store_true", help="adaptive draft length: each step drafts 0 .. --num-spec "
-                      "tokens, whatever pays (chain methods: ngram, eagle3, eagle3+ngram)")
+                      "tokens, whatever pays (chain methods: ngram, eagle3, eagle3+ngram, medusa)")
 
 
 def _shape_arg(name: str):

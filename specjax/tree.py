@@ -90,3 +90,25 @@ def from_branching(batch_size: int, branching: list[int]) -> Tree:
         depths=jnp.broadcast_to(jnp.asarray(depths_np), (batch_size, len(parents))),
         max_depth=len(branching),
     )
+
+
+def from_paths(batch_size: int, paths: list[tuple[int, ...]]) -> Tree:
+    """A static tree whose node i + 1 is paths[i], a tuple of child ranks from the root (Medusa's
+    "choices": (0, 1) is the second child of the root's first child). Nodes keep the given order,
+    which must list every path after its parent; the empty path is the root."""
+    index = {(): 0}
+    parents, depths = [-1], [0]
+    for path in paths:
+        path = tuple(path)
+        if not path or path in index:
+            raise ValueError(f"tree paths must be distinct and non-empty; got {path!r} twice or empty")
+        if path[:-1] not in index:
+            raise ValueError(f"tree path {path!r} comes before its parent {path[:-1]!r}")
+        index[path] = len(parents)
+        parents.append(index[path[:-1]])
+        depths.append(len(path))
+    return Tree(
+        parents=jnp.broadcast_to(jnp.asarray(parents, jnp.int32), (batch_size, len(parents))),
+        depths=jnp.broadcast_to(jnp.asarray(depths, jnp.int32), (batch_size, len(parents))),
+        max_depth=max(depths),
+    )

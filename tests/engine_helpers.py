@@ -11,9 +11,10 @@ from specjax.drafters.base import Drafter, Proposal
 from specjax.drafters.draft_model import DraftModelDrafter
 from specjax.drafters.eagle3 import Eagle3Drafter
 from specjax.drafters.lookahead import LookaheadDrafter
+from specjax.drafters.medusa import MedusaDrafter, chain_paths
 from specjax.drafters.ngram import NgramDrafter
 from specjax.drafters.ngram_first import NgramFirst
-from specjax.models import eagle3, llama
+from specjax.models import eagle3, llama, medusa
 from specjax.models.config import ModelConfig
 from specjax.tree import causal_mask
 
@@ -53,6 +54,29 @@ def eagle3_drafter(
         head_config, head_params, vocab, params["embed_tokens"], depth=depth, top_k=top_k, tree_nodes=nodes,
         feature_layers=eagle3.feature_layers(config.num_layers),
     )
+
+
+def medusa_heads(config: ModelConfig, params, *, seed: int = 5, num_heads: int = 3, residual_scale: float = 0.5):
+    """Random Medusa heads over a truncated half of the target vocabulary: (config, params, token_map)."""
+    head_config = medusa.MedusaConfig(num_heads, config.hidden_size, config.vocab_size, truncated_vocab_size=config.vocab_size // 2)
+    token_map = jnp.sort(jax.random.permutation(jax.random.key(seed), config.vocab_size)[: config.vocab_size // 2])
+    head_params = medusa.init_params(head_config, medusa.target_output_head(params), token_map)
+    keys = iter(jax.random.split(jax.random.key(seed + 1), 2 * num_heads))
+    for head in head_params["heads"]:
+        for layer in head["layers"]:
+            layer["weight"] = residual_scale * jax.random.normal(next(keys), layer["weight"].shape) / config.hidden_size**0.5
+            layer["bias"] = 0.1 * jax.random.normal(next(keys), layer["bias"].shape)
+    return head_config, head_params, token_map
+
+
+def medusa_drafter(config: ModelConfig, params, paths=None, **kwargs) -> MedusaDrafter:
+    """Random Medusa heads (`medusa_heads`) proposing `paths` (default: a chain of every head)."""
+    head_config, head_params, token_map = medusa_heads(config, params, **kwargs)
+    return MedusaDrafter(head_config, head_params, token_map, chain_paths(head_config.num_heads) if paths is None else paths)
+
+
+#: A small Medusa tree: two candidates for the first head, the best continuing two levels.
+MEDUSA_TREE = [(0,), (1,), (0, 0), (0, 1), (1, 0), (0, 0, 0)]
 
 
 class OracleTreeDrafter(Drafter):
@@ -122,6 +146,9 @@ def all_drafters(config: ModelConfig, params) -> dict[str, Drafter]:
         "draft-ngram-first": NgramFirst(DraftModelDrafter(draft_config, tiny_params(draft_config, 3), num_draft=3), min_ngram=2),
         "oracle-tree": OracleTreeDrafter(config, params, depth=3),
         "lookahead": LookaheadDrafter(config.vocab_size, window=3, ngram=3, guesses=2),
+        "medusa-chain": medusa_drafter(config, params),
+        "medusa-tree": medusa_drafter(config, params, MEDUSA_TREE),
+        "medusa-auto": AdaptiveDepth(medusa_drafter(config, params), costs=ADAPTIVE_COSTS),
     }
 
 

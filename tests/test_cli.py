@@ -49,7 +49,7 @@ def test_generate_rejects_a_prompt_longer_than_the_cache():
         (["--tree", "3,2"], "--tree: expected DEPTH,TOPK,NODES (three positive integers"),
         (["--tree", "2,2,9"], "NODES must be <= TOPK + (DEPTH-1)*TOPK^2"),
         (["--lookahead", "4,0,4"], "--lookahead: expected WINDOW,NGRAM,GUESSES"),
-        (["--method", "medusa"], "--method: invalid choice: 'medusa'"),
+        (["--method", "hydra"], "--method: invalid choice: 'hydra'"),
     ],
 )
 def test_bad_flags_are_named_while_parsing(argv, message, capsys):
@@ -105,8 +105,8 @@ def test_prompts_file_errors_name_file_and_line(tmp_path):
 def test_method_specs_parse_and_fail_clearly():
     specs = bench.split_methods("ngram:5,eagle3:4,4,16,eagle3:3,eagle3+ngram:3")
     assert [s.label for s in specs] == ["ar", "ngram:5", "eagle3:4,4,16", "eagle3:3", "eagle3+ngram:3"]
-    with pytest.raises(ValueError, match="unknown method 'medusa'"):
-        bench.split_methods("medusa:3")
+    with pytest.raises(ValueError, match="unknown method 'hydra'"):
+        bench.split_methods("hydra:3")
     with pytest.raises(ValueError, match="ngram drafts chains, not trees"):
         bench.split_methods("ngram:4,4,16")
     with pytest.raises(ValueError, match="eagle3\\+ngram drafts chains, not trees"):

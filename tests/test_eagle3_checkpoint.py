@@ -22,7 +22,8 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply_rotary_pos_emb
 
 from specjax.checkpoints import load_model
-from specjax.checkpoints.eagle3 import load_eagle3, read_safetensors, read_torch_pickle, save_eagle3
+from specjax.checkpoints.draft_files import read_safetensors, read_torch_pickle
+from specjax.checkpoints.eagle3 import load_eagle3, save_eagle3
 from specjax.drafters.base import BuildContext
 from specjax.drafters.registry import MethodSpec
 from specjax.kv_cache import KVCache

@@ -14,7 +14,7 @@ import pytest
 import yaml
 from safetensors.numpy import save_file
 
-import specjax.checkpoints.eagle3 as eagle3_checkpoint
+import specjax.checkpoints.draft_files as draft_files
 from engine_helpers import word_tokenizer
 from specjax.checkpoints.eagle3 import load_eagle3, save_eagle3
 from specjax.models import eagle3
@@ -185,7 +185,7 @@ def test_a_failed_export_leaves_the_previous_one(tmp_path, monkeypatch):
         Path(file).write_bytes(b"partial")
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(eagle3_checkpoint, "write_safetensors", killed)
+    monkeypatch.setattr(draft_files, "write_safetensors", killed)
     with pytest.raises(KeyboardInterrupt):
         save_eagle3(path, config, _draft(1)[1], vocab)
     monkeypatch.undo()

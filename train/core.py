@@ -1,6 +1,6 @@
 """The method-agnostic training core: state, optimizer, mesh, loop, checkpoints, caches, export.
 
-A `Method` (train.eagle3_method.Eagle3Method) supplies the params, the loss of a batch and the
+A `Method` (train.eagle3_method.Eagle3Method, train.medusa_method.MedusaMethod) supplies the params, the loss of a batch and the
 target-side inputs. State (micro-step, float32 params, optimizer state) is replicated over a 1-D
 ("data",) mesh, batches are sharded along it and are a pure function of the micro-step, so a
 resumed run replays exactly the one interrupted. Target outputs are computed in the loss
@@ -58,7 +58,7 @@ class Method(Protocol):
     def target_outputs(self, tokens: np.ndarray) -> dict: ...  # what offline batches carry, for [B, T] tokens (storage dtypes)
     def summarize(self, stats: dict) -> dict: ...  # record fields from stats summed over micro-steps or batches
     def tau_evaluator(self, eval_rows: data.TokenRows) -> Callable: ...  # params -> engine tau on held-out prompts
-    def export(self, params: Any, path: Path, *, overwrite: bool) -> None: ...  # the draft in its inference format
+    def export(self, params: Any, path: Path, *, overwrite: bool, evaluation: dict) -> None: ...  # the draft in its inference format
 
 
 @dataclasses.dataclass(frozen=True)
@@ -297,9 +297,10 @@ def train(setup: Setup, *, stop_at: int | None = None, evaluate_tau: Callable | 
     return state, records
 
 
-def export(setup: Setup, params) -> Path:
-    """Write the draft to config.export_path (the method's format; never a non-finite draft)."""
-    setup.method.export(jax.device_get(params), setup.config.export_path, overwrite=setup.config.overwrite)
+def export(setup: Setup, params, evaluation: dict | None = None) -> Path:
+    """Write the draft to config.export_path (the method's format; never a non-finite draft);
+    `evaluation` is the held-out summary, which a format may record."""
+    setup.method.export(jax.device_get(params), setup.config.export_path, overwrite=setup.config.overwrite, evaluation=evaluation or {})
     return setup.config.export_path
 
 
@@ -429,6 +430,6 @@ def main(argv: list[str] | None, prepare_run: Callable[[TrainConfig], Setup], de
     result = evaluate(setup, state.params)
     if evaluate_tau is not None:
         result["engine"] = records[-1]["engine"] if records else evaluate_tau(state.params)
-    path = export(setup, state.params)
+    path = export(setup, state.params, result)
     (Path(config.output_dir) / "eval.json").write_text(json.dumps(result, indent=2) + "\n")
     print(json.dumps({"eval": result, "exported": str(path)}), file=sys.stderr)

@@ -18,6 +18,7 @@ import ml_dtypes
 import numpy as np
 
 from specjax.checkpoints.eagle3 import load_eagle3, save_eagle3
+from specjax.drafters.eagle3 import Eagle3Drafter
 from specjax.models import eagle3, llama
 from specjax.models.config import ModelConfig
 from train import core, data, tau_eval, ttt
@@ -112,12 +113,18 @@ class Eagle3Method:
     def tau_evaluator(self, eval_rows: data.TokenRows) -> tau_eval.TauEvaluator:
         """The engine evaluation on the first tau_eval_prompts held-out rows (compiled once)."""
         c, prompts = self.config, tau_eval.held_out_prompts(eval_rows, self.config.tau_eval_prompts)
+        dtype = jax.tree.leaves(self.target_params)[0].dtype
+        placeholder = jax.tree.map(lambda p: p.astype(dtype), eagle3.init_params(self.draft_config, jax.random.key(0)))
+        drafter = Eagle3Drafter(
+            self.draft_config, placeholder, self.vocab, self.target_params["embed_tokens"], depth=c.tau_eval_num_spec,
+            feature_layers=eagle3.feature_layers(self.target_config.num_layers),
+        )
         return tau_eval.TauEvaluator(
-            self.draft_config, self.vocab, self.target_config, self.target_params, prompts,
-            num_spec=c.tau_eval_num_spec, max_new_tokens=c.tau_eval_max_new_tokens,
+            drafter, drafter.params_with_head, self.target_config, self.target_params, prompts,
+            max_new_tokens=c.tau_eval_max_new_tokens,
         )
 
-    def export(self, params: eagle3.Params, path: Path, *, overwrite: bool) -> None:
+    def export(self, params: eagle3.Params, path: Path, *, overwrite: bool, evaluation: dict | None = None) -> None:
         """The EAGLE-3 Hugging Face layout (specjax.checkpoints.eagle3.save_eagle3)."""
         dtype = ml_dtypes.bfloat16 if self.config.export_dtype == "bfloat16" else np.dtype(self.config.export_dtype)
         save_eagle3(path, self.draft_config, params, self.vocab, dtype=dtype, overwrite=overwrite)

@@ -1,21 +1,21 @@
 """The real test of a draft in training: tau measured by the specjax engine on held-out prompts.
 
-The simulated TTT acceptance (train.ttt) assumes every drafted token is the target's; the engine
-runs the actual decode loop (EAGLE-3 chain, greedy verification) and counts what the target
-accepts. One engine is compiled once per run; each evaluation only swaps the head's weights in.
+Simulated acceptance (train.ttt, per-head accuracy) assumes every drafted token is the target's;
+the engine runs the actual decode loop (the method's drafter, greedy verification) and counts what
+the target accepts. One engine is compiled once per run; each evaluation only swaps weights in.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from specjax.drafters.eagle3 import Eagle3Drafter
+from specjax.drafters.base import Drafter
 from specjax.engine import Engine
-from specjax.models import eagle3, llama
+from specjax.models import llama
 from specjax.models.config import ModelConfig
 from train.data import TokenRows
 
@@ -33,30 +33,29 @@ def held_out_prompts(rows: TokenRows, count: int) -> list[list[int]]:
 
 
 class TauEvaluator:
-    """Greedy EAGLE-3 chain decoding of held-out prompts; tau and acceptance by position."""
+    """Greedy decoding of held-out prompts with a drafter; tau and acceptance by position.
+
+    with_params(trained params) -> the drafter's params pytree (same structure as drafter.params).
+    """
 
     def __init__(
-        self, draft_config: eagle3.Eagle3Config, vocab: eagle3.DraftVocab, target_config: ModelConfig,
-        target_params: llama.Params, prompts: list[list[int]], *, num_spec: int, max_new_tokens: int,
+        self, drafter: Drafter, with_params: Callable[[Any], Any], target_config: ModelConfig,
+        target_params: llama.Params, prompts: list[list[int]], *, max_new_tokens: int,
     ):
         if not prompts:
             raise ValueError("no held-out prompts for the engine evaluation (set eval_samples > 0)")
         self.dtype = jax.tree.leaves(target_params)[0].dtype
-        placeholder = eagle3.init_params(draft_config, jax.random.key(0))
-        self.drafter = Eagle3Drafter(
-            draft_config, self._cast(placeholder), vocab, target_params["embed_tokens"], depth=num_spec,
-            feature_layers=eagle3.feature_layers(target_config.num_layers),
-        )
-        max_len = -(-(max(map(len, prompts)) + max_new_tokens + self.drafter.num_nodes) // 64) * 64
-        self.engine = Engine(target_config, target_params, self.drafter, max_len=max_len, attention_chunk=64)
+        self.drafter, self.with_params = drafter, with_params
+        max_len = -(-(max(map(len, prompts)) + max_new_tokens + drafter.num_nodes) // 64) * 64
+        self.engine = Engine(target_config, target_params, drafter, max_len=max_len, attention_chunk=64)
         self.prompts, self.max_new_tokens = prompts, max_new_tokens
 
-    def _cast(self, params: eagle3.Params) -> eagle3.Params:
+    def cast(self, params):
         """To the target's dtype, on the default device (training params may live on a mesh)."""
         return jax.tree.map(lambda p: jnp.asarray(np.asarray(jax.device_get(p)), self.dtype), params)
 
-    def __call__(self, head_params: eagle3.Params) -> dict[str, Any]:
-        drafter_params = self.drafter.params_with_head(self._cast(head_params))
+    def __call__(self, trained_params) -> dict[str, Any]:
+        drafter_params = self.with_params(self.cast(trained_params))
         stats = self.engine.generate(self.prompts, max_new_tokens=self.max_new_tokens, drafter_params=drafter_params)
         return {
             "tau": round(stats.tau, 4),
