@@ -10,19 +10,16 @@ import numpy as np
 import pytest
 
 from engine_helpers import word_tokenizer
+from train_helpers import TARGET, TRAIN_CONFIG, pattern_rows, target_params
 from specjax import kv_cache
 from specjax.checkpoints.eagle3 import load_eagle3
 from specjax.drafters.eagle3 import Eagle3Drafter
 from specjax.engine import Engine
 from specjax.kv_cache import KVCache
-from specjax.models import eagle3, llama
-from specjax.models.config import ModelConfig
+from specjax.models import eagle3
 from train import core, data, eagle3_method, ttt
 from train.config import load_config, make_config, parse_overrides
 
-TARGET = ModelConfig(
-    vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=4, num_heads=4, num_kv_heads=2, head_dim=8
-)
 DRAFT = eagle3.Eagle3Config.from_target(TARGET, draft_vocab_size=24)
 REPO = Path(__file__).resolve().parents[1]
 
@@ -174,30 +171,16 @@ def test_shipped_configs_load(name):
 
 def _setup(tmp_path, mesh_devices=1, **overrides):
     """A tiny online-feature run over a sharpened random 4-layer target on repeating patterns."""
-    values = dict(
-        output_dir=str(tmp_path), seq_len=16, draft_vocab_size=24, ttt_length=2, batch_size=4, num_steps=6,
-        grad_accum_steps=2, learning_rate=1e-2, warmup_steps=1, checkpoint_every=3, log_every=1, eval_samples=4,
-        data_parallel=mesh_devices,
-    )
+    values = dict(TRAIN_CONFIG, output_dir=str(tmp_path), ttt_length=2, data_parallel=mesh_devices)
     config = make_config({**values, **overrides})
-    target_params = llama.init_params(TARGET, jax.random.key(7))
-    target_params = {
-        **target_params,
-        "layers": jax.tree.map(lambda w: 5 * w, target_params["layers"]),
-        "lm_head": 50 * target_params["lm_head"],  # a peaked, context-dependent target distribution
-    }
-    patterns = np.random.default_rng(0).integers(0, 24, (24, 3))
-    tokens = np.stack([np.resize(p, 16) for p in patterns]).astype(np.int32)
-    mask = np.zeros_like(tokens, bool)
-    mask[:, 4:] = True
-    rows = data.TokenRows(tokens, mask)
-    vocab_ids = data.draft_vocab_ids(rows.subset(slice(0, 20)), 24, TARGET.vocab_size)
+    train_rows, eval_rows = pattern_rows()
+    vocab_ids = data.draft_vocab_ids(train_rows, 24, TARGET.vocab_size)
     vocab = eagle3.DraftVocab.from_target_ids(jnp.asarray(vocab_ids), TARGET.vocab_size)
     return core.Setup(
         config=config,
-        method=eagle3_method.Eagle3Method(config, TARGET, target_params, vocab),
-        train_rows=rows.subset(slice(0, 20)),
-        eval_rows=rows.subset(slice(20, None)),
+        method=eagle3_method.Eagle3Method(config, TARGET, target_params(), vocab),
+        train_rows=train_rows,
+        eval_rows=eval_rows,
         offline=None,
         mesh=core.make_mesh(mesh_devices),
     )

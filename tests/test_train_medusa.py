@@ -13,39 +13,23 @@ from specjax.checkpoints.medusa import load_medusa
 from specjax.drafters.medusa import MedusaDrafter, chain_paths
 from specjax.engine import Engine
 from specjax.models import llama, medusa
-from specjax.models.config import ModelConfig
 from train import core, data, medusa_method
 from train.config import load_config, make_config
+from train_helpers import TARGET, TRAIN_CONFIG, pattern_rows, target_params
 
-TARGET = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=4, num_heads=4, num_kv_heads=2, head_dim=8)
 REPO = Path(__file__).resolve().parents[1]
 
 
 def _setup(tmp_path, **overrides):
-    """A tiny online run over a sharpened random 4-layer target on repeating patterns (as test_train_eagle3)."""
-    values = dict(
-        output_dir=str(tmp_path), seq_len=16, draft_vocab_size=24, medusa_num_heads=2, batch_size=4, num_steps=6,
-        grad_accum_steps=2, learning_rate=1e-2, warmup_steps=1, checkpoint_every=3, log_every=1, eval_samples=4,
-        data_parallel=1,
-    )
-    config = make_config({**values, **overrides})
-    target_params = llama.init_params(TARGET, jax.random.key(7))
-    target_params = {
-        **target_params,
-        "layers": jax.tree.map(lambda w: 5 * w, target_params["layers"]),
-        "lm_head": 50 * target_params["lm_head"],
-    }
-    patterns = np.random.default_rng(0).integers(0, 24, (24, 3))
-    tokens = np.stack([np.resize(p, 16) for p in patterns]).astype(np.int32)
-    mask = np.zeros_like(tokens, bool)
-    mask[:, 4:] = True
-    rows = data.TokenRows(tokens, mask)
-    ids = data.draft_vocab_ids(rows.subset(slice(0, 20)), 24, TARGET.vocab_size)
+    """A tiny online run over a sharpened random 4-layer target on repeating patterns (train_helpers)."""
+    config = make_config({**TRAIN_CONFIG, "output_dir": str(tmp_path), "medusa_num_heads": 2, "data_parallel": 1, **overrides})
+    train_rows, eval_rows = pattern_rows()
+    ids = data.draft_vocab_ids(train_rows, 24, TARGET.vocab_size)
     return core.Setup(
         config=config,
-        method=medusa_method.MedusaMethod(config, TARGET, target_params, jnp.asarray(ids, jnp.int32)),
-        train_rows=rows.subset(slice(0, 20)),
-        eval_rows=rows.subset(slice(20, None)),
+        method=medusa_method.MedusaMethod(config, TARGET, target_params(), jnp.asarray(ids, jnp.int32)),
+        train_rows=train_rows,
+        eval_rows=eval_rows,
         offline=None,
         mesh=core.make_mesh(1),
     )
