@@ -29,6 +29,9 @@ def test_generate_speculative_text_equals_autoregressive(capsys):
     assert streamed.startswith(text(plain))
     ngram_first = run_generate(capsys, "--method", "eagle3+ngram", "--num-spec", "3", *common)  # the shipped draft
     assert text(ngram_first) == text(plain) and "tau" in ngram_first
+    for tree in ([], ["--tree", "3,2,5"]):  # the shipped Medusa heads, a chain and a static tree
+        heads = run_generate(capsys, "--method", "medusa", *tree, *common)
+        assert text(heads) == text(plain) and "tau" in heads
 
 
 @pytest.mark.slow
