@@ -228,6 +228,17 @@ class Engine:
         verdict = self._verify(verify_key, proposal, sampling_lib.probs(out.logits, sampling), sampling)
         return drafter_state, proposal, out, aux, verdict
 
+    def _fixed_draft_and_verify(self, params, drafter_params, state: DecodeState, keys, ctx, sampling):
+        """`_draft_and_verify` with the drafter itself, under a conditional on any row being active.
+
+        The loop only runs while some row is active, so `idle` never runs. The conditional
+        confines the step's reads of the cache (the attention loops) to a branch: without it
+        XLA:CPU copies the whole cache twice per step before writing it in place
+        (docs/architecture.md, "Two XLA:CPU pitfalls"; `scripts/xla_cpu_pitfalls.py`)."""
+        run = lambda: self._draft_and_verify(self.drafter, params, drafter_params, state, keys, ctx, sampling)
+        idle = lambda: jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), jax.eval_shape(run))
+        return jax.lax.cond(jnp.any(state.active), run, idle)
+
     def _adaptive_draft_and_verify(self, params, drafter_params, state: DecodeState, keys, ctx, sampling, depth_costs):
         """`_draft_and_verify` at the depth `adaptive.choose_depth` picks: one `lax.switch` branch
         per depth, each returning only its chain padded to the deepest (tokens, K/V, taps, verdict),
@@ -261,13 +272,9 @@ class Engine:
         cache = state.cache
         ctx = StepContext(pending=state.pending, lengths=cache.lengths, history=state.history, active=state.active)
         if self.drafter.variants is None:
-            run = lambda: self._draft_and_verify(self.drafter, params, drafter_params, state, keys, ctx, sampling)
-            # The loop only runs while some row is active, so `idle` never runs. The conditional
-            # confines the step's reads of the cache (the attention loops) to a branch: without
-            # it XLA:CPU copies the whole cache twice per step before writing it in place
-            # (docs/architecture.md, "Two XLA:CPU pitfalls").
-            idle = lambda: jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), jax.eval_shape(run))
-            drafter_state, proposal, out, aux, verdict = jax.lax.cond(jnp.any(state.active), run, idle)
+            drafter_state, proposal, out, aux, verdict = self._fixed_draft_and_verify(
+                params, drafter_params, state, keys, ctx, sampling
+            )
             depth = self.max_depth
         else:
             drafter_state, proposal, out, aux, verdict, depth = self._adaptive_draft_and_verify(
