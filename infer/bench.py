@@ -173,9 +173,9 @@ def plot(results: list[dict], directory: str) -> list[Path]:
 def main(argv: list[str] | None = None) -> list[dict]:
     args = parse_args(argv)
     common.sampling_params(args, 1)  # checked before loading
-    texts = prompt_sets.load(args.prompts)[: args.num_prompts]
+    prompt_sets.load(args.prompts)  # a bad prompt set is named before the model loads
     config, params, tokenizer = common.load_target(args)
-    token_ids = [tokenizer.encode(tokenizer.chat_prompt(text)) for text in texts]
+    token_ids = prompt_sets.token_ids(tokenizer, args.prompts, args.num_prompts)
     engines = {
         spec: Engine(config, params, common.build_drafter(spec, args, config, params),
                      max_len=args.max_len, eos_ids=tokenizer.eos_token_ids)

@@ -110,3 +110,8 @@ def load(name_or_path: str) -> list[str]:
         raise ValueError(f"prompt set {name_or_path!r} is neither built in ({', '.join(BUILT_IN)}, mt-bench) nor a file") from None
     except (KeyError, json.JSONDecodeError) as error:
         raise ValueError(f"{name_or_path}: every line must be a JSON object with a 'prompt' key ({error})") from None
+
+
+def token_ids(tokenizer, name_or_path: str, count: int | None = None) -> list[list[int]]:
+    """The first `count` prompts of a set (`load`), each in the tokenizer's chat template, as token ids."""
+    return [tokenizer.encode(tokenizer.chat_prompt(text)) for text in load(name_or_path)[:count]]

@@ -4,15 +4,11 @@ top-k drafts (point-mass rule), side by side in one process: tau and tokens/s pe
     python scripts/sampled_vs_deterministic_drafts.py --temperatures 0,1 --prompts mt-bench --specs eagle3:3,eagle3:3,2,6
 """
 
-import argparse
-
 import jax.numpy as jnp
 import numpy as np
 
-from infer import bench
+from infer import bench, common
 from infer import prompts as prompt_sets
-from specjax import checkpoints, tokenizer as tok_lib
-from specjax.drafters.base import BuildContext
 from specjax.drafters.eagle3 import Eagle3Drafter
 from specjax.engine import Engine
 from specjax.sampling import SamplingParams
@@ -27,7 +23,8 @@ class Deterministic(Eagle3Drafter):
         return state, self.grow_tree(params, state, key, ctx, greedy).replace(draft_probs=None, rule="point_mass")
 
 
-parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+parser = common.parser("sampled_vs_deterministic_drafts.py", __doc__)
+common.add_model_args(parser)
 parser.add_argument("--temperatures", default="0,1")
 parser.add_argument("--batch-size", type=int, default=1)
 parser.add_argument("--prompts", default="mt-bench")
@@ -37,17 +34,14 @@ parser.add_argument("--repeats", type=int, default=3)
 parser.add_argument("--specs", default="eagle3:3", help="EAGLE-3 chains and trees, as infer.bench --methods")
 args = parser.parse_args()
 
-path = checkpoints.default_model_path()
-config, params = checkpoints.load_model(path, jnp.float32)
-tok = tok_lib.load(path)
-ids = [tok.encode(tok.chat_prompt(t)) for t in prompt_sets.load(args.prompts)[: args.num_prompts]]
-context = BuildContext(config, params, None, jnp.float32)
-engines = {"ar": Engine(config, params, None, max_len=1024, eos_ids=tok.eos_token_ids)}
+config, params, tok = common.load_target(args)
+ids = prompt_sets.token_ids(tok, args.prompts, args.num_prompts)
+engines = {"ar": Engine(config, params, None, max_len=args.max_len, eos_ids=tok.eos_token_ids)}
 for spec in bench.split_methods(args.specs)[1:]:
-    sampled, deterministic = spec.build(context), spec.build(context)
+    sampled, deterministic = (common.build_drafter(spec, args, config, params) for _ in range(2))
     deterministic.__class__ = Deterministic
     for name, drafter in ((f"{spec.label} deterministic", deterministic), (f"{spec.label} sampled", sampled)):
-        engines[name] = Engine(config, params, drafter, max_len=1024, eos_ids=tok.eos_token_ids)
+        engines[name] = Engine(config, params, drafter, max_len=args.max_len, eos_ids=tok.eos_token_ids)
 batch = args.batch_size
 batches = [ids[i : i + batch] for i in range(0, len(ids), batch)]
 print(f"{args.prompts}, {len(ids)} prompts, batch {batch}, {args.max_new_tokens} new tokens, {args.repeats} interleaved repeats")

@@ -10,17 +10,13 @@ Milliseconds per generated token per row, medians of interleaved repeats, greedy
     python scripts/xla_cpu_pitfalls.py --batch-size 1 --max-len 2048
 """
 
-import argparse
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from infer import bench
+from infer import bench, common
 from infer import prompts as prompt_sets
-from specjax import checkpoints, tokenizer as tok_lib
-from specjax.drafters.base import BuildContext
 from specjax.drafters.registry import MethodSpec
 from specjax.engine import Engine
 from specjax.models import llama
@@ -62,22 +58,20 @@ class UnconditionalEngine(Engine):
         return self._draft_and_verify(self.drafter, params, drafter_params, state, keys, ctx, sampling)
 
 
-parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+parser = common.parser("xla_cpu_pitfalls.py", __doc__)
+common.add_model_args(parser)
+parser.set_defaults(max_len=2048)
 parser.add_argument("--prompts", default="chat")
 parser.add_argument("--batch-size", type=int, default=1)
 parser.add_argument("--num-prompts", type=int, default=4)
-parser.add_argument("--max-len", type=int, default=2048)
 parser.add_argument("--max-new-tokens", type=int, default=48)
 parser.add_argument("--repeats", type=int, default=5)
 args = parser.parse_args()
 
-path = checkpoints.default_model_path()
-config, params = checkpoints.load_model(path, jnp.float32)
+config, params, tok = common.load_target(args)
 stacked = dict(params, layers=jax.tree.map(lambda *layers: jnp.stack(layers), *params["layers"]))
-tok = tok_lib.load(path)
-ids = [tok.encode(tok.chat_prompt(t)) for t in prompt_sets.load(args.prompts)[: args.num_prompts]]
-context = BuildContext(config, params, None, jnp.float32)
-drafter = lambda spec: MethodSpec.parse(spec).build(context)
+ids = prompt_sets.token_ids(tok, args.prompts, args.num_prompts)
+drafter = lambda spec: common.build_drafter(MethodSpec.parse(spec), args, config, params)
 engines = {
     "ar": Engine(config, params, drafter("ar"), max_len=args.max_len, eos_ids=()),
     "ar, scanned layers": ScanEngine(config, stacked, drafter("ar"), max_len=args.max_len, eos_ids=()),

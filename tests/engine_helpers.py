@@ -60,7 +60,7 @@ def medusa_heads(config: ModelConfig, params, *, seed: int = 5, num_heads: int =
     """Random Medusa heads over a truncated half of the target vocabulary: (config, params, token_map)."""
     head_config = medusa.MedusaConfig(num_heads, config.hidden_size, config.vocab_size, truncated_vocab_size=config.vocab_size // 2)
     token_map = jnp.sort(jax.random.permutation(jax.random.key(seed), config.vocab_size)[: config.vocab_size // 2])
-    head_params = medusa.init_params(head_config, medusa.target_output_head(params), token_map)
+    head_params = medusa.init_params(head_config, llama.output_head(params, config), token_map)
     keys = iter(jax.random.split(jax.random.key(seed + 1), 2 * num_heads))
     for head in head_params["heads"]:
         for layer in head["layers"]:

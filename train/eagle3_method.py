@@ -188,10 +188,7 @@ def remap_draft_head(
     embedding of it, scaled by the median norm ratio of trained to target columns over the shared tokens.
     """
     head = np.asarray(params["lm_head"], np.float32)  # [H, Vo]
-    if target_config.tie_word_embeddings:
-        target_head = np.asarray(target_params["embed_tokens"], np.float32).T  # [H, V]
-    else:
-        target_head = np.asarray(target_params["lm_head"], np.float32)  # [H, V]
+    target_head = np.asarray(llama.output_head(target_params, target_config), np.float32)  # [H, V]
     shared, old_index, new_index = np.intersect1d(old_ids, new_ids, return_indices=True)
     if len(shared) == 0:
         raise ValueError("the new draft vocabulary shares no token with init_from's: nothing to carry over")

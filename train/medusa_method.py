@@ -61,7 +61,7 @@ class MedusaLoss:
         outputs = batch if "hidden" in batch else target_outputs(frozen["target"], self.target_config, batch["tokens"], frozen["token_map"])
         dtype = core.DTYPES[self.compute_dtype]
         logits = medusa.forward(jax.tree.map(lambda p: p.astype(dtype), params), outputs["hidden"].astype(dtype))  # [B, T, K, Vt]
-        length, total, stats = batch["tokens"].shape[1], 0.0, {k: [] for k in ("loss_sum", "weight", "correct", "response", "rank_hits")}
+        length, total, stats = batch["tokens"].shape[1], 0.0, {k: [] for k in ("loss_sum", "weight", "correct", "rank_hits")}
         for k in range(self.num_heads):
             shift = k + 1  # head k at t is scored against the target at t + shift, predicting t + shift + 1
             log_p = jax.nn.log_softmax(logits[:, : length - shift - 1, k], -1)  # [B, T', Vt]
@@ -77,7 +77,6 @@ class MedusaLoss:
             stats["loss_sum"].append(loss_sum)
             stats["weight"].append(weight)
             stats["correct"].append(jnp.sum(hit[..., 0] * mask))
-            stats["response"].append(weight)
             stats["rank_hits"].append(jnp.sum(hit * mask[..., None], (0, 1)))
         return total, {name: jnp.stack(values) for name, values in stats.items()}
 
@@ -112,7 +111,7 @@ class MedusaMethod:
         return {"target": None if offline else self.target_params, "token_map": self.token_map}
 
     def init_params(self, key: jax.Array) -> medusa.Params:
-        return medusa.init_params(self.draft_config, medusa.target_output_head(self.target_params), self.token_map)
+        return medusa.init_params(self.draft_config, llama.output_head(self.target_params, self.target_config), self.token_map)
 
     def target_outputs(self, tokens: np.ndarray) -> dict[str, np.ndarray]:
         """Offline: float16 hidden states [B, T, H] and truncated logits [B, T, Vt], int32 choices [B, T]."""
@@ -122,11 +121,11 @@ class MedusaMethod:
     def summarize(self, stats: dict[str, np.ndarray]) -> dict[str, Any]:
         """Per-head loss and top-1 accuracy, and per head the rate of each rank holding the target's token."""
         rounded = lambda values: [round(float(x), 5) for x in values]
-        response = np.maximum(stats["response"], 1)
+        weight = np.maximum(stats["weight"], 1)  # response tokens each head predicted
         return {
-            "loss": rounded(stats["loss_sum"] / np.maximum(stats["weight"], 1)),
-            "acc": rounded(stats["correct"] / response),
-            "rank_acc": [rounded(row) for row in stats["rank_hits"] / response[:, None]],
+            "loss": rounded(stats["loss_sum"] / weight),
+            "acc": rounded(stats["correct"] / weight),
+            "rank_acc": [rounded(row) for row in stats["rank_hits"] / weight[:, None]],
         }
 
     def tau_evaluator(self, eval_rows: data.TokenRows) -> tau_eval.TauEvaluator:

@@ -148,6 +148,11 @@ def lm_head(params: Params, config: ModelConfig, hidden: jax.Array) -> jax.Array
     return project_logits(params, config, rms_norm(hidden, params["norm"], config.rms_norm_eps))
 
 
+def output_head(params: Params, config: ModelConfig) -> jax.Array:
+    """[H, V] the output projection as a matrix (the embedding, transposed, when tied)."""
+    return params["embed_tokens"].T if config.tie_word_embeddings else params["lm_head"]
+
+
 def project_logits(params: Params, config: ModelConfig, normed: jax.Array) -> jax.Array:
     """Output projection alone: final-normed hidden [B, T, H] -> float32 logits [B, T, V]."""
     if config.tie_word_embeddings:

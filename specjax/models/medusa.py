@@ -53,13 +53,6 @@ def init_params(config: MedusaConfig, target_head: jax.Array, token_map: jax.Arr
     return {"heads": [{"layers": [layer() for _ in range(config.num_layers)], "lm_head": lm_head} for _ in range(config.num_heads)]}
 
 
-def target_output_head(target_params) -> jax.Array:
-    """[H, V] the target's output projection (its embedding, transposed, when tied)."""
-    if "lm_head" in target_params:
-        return target_params["lm_head"]
-    return target_params["embed_tokens"].T
-
-
 def forward(params: Params, hidden: jax.Array, num_heads: int | None = None) -> jax.Array:
     """hidden [..., H] -> float32 logits [..., K, Vt] of the first `num_heads` heads (all by default)."""
     logits = []
