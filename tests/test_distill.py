@@ -38,7 +38,7 @@ def reference(tokenizer, messages):
             tokens = engine.generate([distill.prompt_ids(tokenizer, messages[:turn])], max_new_tokens=MAX_NEW).tokens[0]
             message["content"] = tokenizer.decode([t for t in tokens if t != END])
     last = max((t for t, m in enumerate(messages) if m["role"] == "assistant"), default=-1)
-    return messages[: last + 1]
+    return messages[: last + 1] if last >= 0 else messages
 
 
 def test_regenerates_every_turn_in_batches_and_resumes(tmp_path):
@@ -67,3 +67,15 @@ def test_a_context_that_outgrows_the_prompt_limit_ends_the_conversation():
         max_new_tokens=MAX_NEW, temperature=0.0, seed=0,
     )
     assert [m["role"] for m in conversations[0]] == ["user", "assistant"]  # the second turn no longer fits
+
+
+def test_resumes_past_a_conversation_whose_first_prompt_did_not_fit(tmp_path):
+    tokenizer = word_tokenizer()
+    path = tmp_path / "distilled.jsonl"
+    too_long = {"id": 3, "conversations": [{"role": "user", "content": "hi " * 40}, {"role": "assistant", "content": "bye"}]}
+    records = [too_long, RECORDS[0]]
+    kwargs = dict(batch_size=1, max_prompt_tokens=16, max_new_tokens=MAX_NEW)
+    assert distill.regenerate_to_file(path, records[:1], CONFIG, PARAMS, tokenizer, **kwargs) == 1
+    assert json.loads(path.read_text())["conversations"] == too_long["conversations"][:1]  # names its input
+    assert distill.regenerate_to_file(path, records, CONFIG, PARAMS, tokenizer, **kwargs) == 2
+    assert distill.load_regenerated(path) == [reference(tokenizer, RECORDS[0]["conversations"])]

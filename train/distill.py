@@ -38,7 +38,8 @@ def regenerate_chunk(
     """Regenerate every assistant turn of up to batch_size conversations, turn by turn.
 
     Returns the conversations and the number of tokens generated. A conversation whose context
-    outgrows max_prompt_tokens ends before that turn (so it may be left with no assistant turn).
+    outgrows max_prompt_tokens ends before that turn (so it may be left with no assistant turn, and
+    then keeps its user turns).
     """
     if len(conversations) > batch_size:
         raise ValueError(f"{len(conversations)} conversations for a batch of {batch_size}")
@@ -66,10 +67,10 @@ def regenerate_chunk(
             response = [t for t in tokens if t not in eos]  # generation stops at the first EOS
             generated += len(response)
             pending[i][turn] = {"role": "assistant", "content": tokenizer.decode(response)}
-    trimmed = []  # nothing after the last assistant turn
+    trimmed = []  # nothing after the last assistant turn; one with none keeps its input (resume checks it)
     for messages in pending:
         last_assistant = max((t for t, m in enumerate(messages) if m["role"] == "assistant"), default=-1)
-        trimmed.append(messages[: last_assistant + 1])
+        trimmed.append(messages[: last_assistant + 1] if last_assistant >= 0 else messages)
     return trimmed, generated
 
 
