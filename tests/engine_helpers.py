@@ -9,12 +9,13 @@ from specjax import tree as tree_lib
 from specjax.drafters.adaptive import AdaptiveDepth
 from specjax.drafters.base import Drafter, Proposal
 from specjax.drafters.draft_model import DraftModelDrafter
+from specjax.drafters.eagle1 import Eagle1Drafter
 from specjax.drafters.eagle3 import Eagle3Drafter
 from specjax.drafters.lookahead import LookaheadDrafter
 from specjax.drafters.medusa import MedusaDrafter, chain_paths
 from specjax.drafters.ngram import NgramDrafter
 from specjax.drafters.ngram_first import NgramFirst
-from specjax.models import eagle3, llama, medusa
+from specjax.models import eagle1, eagle3, llama, medusa
 from specjax.models.config import ModelConfig
 from specjax.tree import causal_mask
 
@@ -54,6 +55,20 @@ def eagle3_drafter(
         head_config, head_params, vocab, params["embed_tokens"], depth=depth, top_k=top_k, tree_nodes=nodes,
         feature_layers=eagle3.feature_layers(config.num_layers),
     )
+
+
+def eagle1_drafter(config: ModelConfig, params, *, seed: int = 9, fc_bias: bool = False, **kwargs) -> Eagle1Drafter:
+    """A random EAGLE-1 layer (kwargs: depth, top_k, tree_nodes, or paths for a static tree)."""
+    layer_config = eagle1.Eagle1Config.from_target(config)
+    layer_config = eagle1.Eagle1Config(**{**vars(layer_config), "fc_bias": fc_bias})
+    layer_params = eagle1.init_params(layer_config, jax.random.key(seed))
+    if fc_bias:
+        layer_params["fc_bias"] = 0.1 * jax.random.normal(jax.random.key(seed + 1), layer_params["fc_bias"].shape)
+    return Eagle1Drafter(layer_config, layer_params, config, params, **kwargs)
+
+
+#: A small EAGLE-1 static tree: ranks below the root, the best continuing two levels.
+EAGLE1_STATIC_TREE = [(0,), (1,), (0, 0), (0, 1), (1, 0), (0, 0, 0), (0, 1, 0)]
 
 
 def medusa_heads(config: ModelConfig, params, *, seed: int = 5, num_heads: int = 3, residual_scale: float = 0.5):
@@ -149,6 +164,10 @@ def all_drafters(config: ModelConfig, params) -> dict[str, Drafter]:
         "medusa-chain": medusa_drafter(config, params),
         "medusa-tree": medusa_drafter(config, params, MEDUSA_TREE),
         "medusa-auto": AdaptiveDepth(medusa_drafter(config, params), costs=ADAPTIVE_COSTS),
+        "eagle1-chain": eagle1_drafter(config, params, depth=3, fc_bias=True),
+        "eagle1-tree": eagle1_drafter(config, params, depth=3, top_k=2, tree_nodes=6),
+        "eagle1-static": eagle1_drafter(config, params, paths=EAGLE1_STATIC_TREE),
+        "eagle1-auto": AdaptiveDepth(eagle1_drafter(config, params, depth=3), costs=ADAPTIVE_COSTS),
     }
 
 

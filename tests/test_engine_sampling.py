@@ -6,7 +6,8 @@ enumerated from the target: q(t1) q(t2 | t1) q(t3 | t1, t2), where q is the proc
 distribution (`sampling.probs`). Chains (a sampled draft model, and an EAGLE-3 head sampling its
 drafts; Leviathan rule), trees (an EAGLE-2 tree from a random EAGLE-3 head, siblings sampled
 without replacement, multi-draft rule, pruned to its first nodes or keeping its whole pool;
-Lookahead's pool n-grams with its window riding along, and a Medusa tree, point-mass rule) and an EAGLE-3 chain
+Lookahead's pool n-grams with its window riding along, Medusa's and EAGLE-1's static trees,
+point-mass rule; an EAGLE-2 tree from a random EAGLE-1 layer) and an EAGLE-3 chain
 of adaptive length, at temperature 1 and with top-p (n-gram-first drafting:
 test_ngram_first.py, same check). A deliberately broken commit, and drafters misreporting their
 draft distributions, must fail the same check.
@@ -22,7 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from engine_helpers import MEDUSA_TREE, eagle3_drafter, medusa_drafter, tiny_config, tiny_params
+from engine_helpers import EAGLE1_STATIC_TREE, MEDUSA_TREE, eagle1_drafter, eagle3_drafter, medusa_drafter, tiny_config, tiny_params
 from specjax import kv_cache
 from specjax.drafters.adaptive import AdaptiveDepth
 from specjax.drafters.draft_model import DraftModelDrafter
@@ -73,6 +74,9 @@ def make_engine(method: str) -> Engine:
         "eagle3-chain": lambda: eagle3_drafter(CONFIG, PARAMS, depth=2, logit_scale=PEAKED),
         "lookahead": lambda: LookaheadDrafter(VOCAB, window=2, ngram=3, guesses=2),
         "medusa": lambda: medusa_drafter(CONFIG, PARAMS, MEDUSA_TREE),  # point-mass rule on a static tree
+        # EAGLE-1 (its logits through the target's LM head): an EAGLE-2 tree, and its static tree.
+        "eagle1-tree": lambda: eagle1_drafter(CONFIG, PARAMS, depth=2, top_k=2, tree_nodes=4),
+        "eagle1-static": lambda: eagle1_drafter(CONFIG, PARAMS, paths=EAGLE1_STATIC_TREE),
         # The engine picks the chain's length (0, 1 or 2) every step from the rows' acceptance.
         "auto": lambda: AdaptiveDepth(eagle3_drafter(CONFIG, PARAMS, depth=2, logit_scale=PEAKED), costs=[1.0, 1.2, 1.4]),
     }[method]()
@@ -84,7 +88,8 @@ cached_engine = functools.cache(make_engine)  # one compilation per method, shar
 
 @pytest.mark.parametrize(
     "method, setting",
-    [(m, s) for m in ("chain", "tree", "lookahead", "medusa") for s in sorted(SETTINGS)] + [("eagle3-chain", "t1"), ("tree-pool", "t1")],
+    [(m, s) for m in ("chain", "tree", "lookahead", "medusa", "eagle1-tree") for s in sorted(SETTINGS)]
+    + [("eagle3-chain", "t1"), ("tree-pool", "t1"), ("eagle1-static", "t1")],
 )  # the sampled EAGLE-3 chain meets truncated distributions through the draft model's rule
 def test_first_three_tokens_follow_the_target(method, setting):
     samples = sample_joint(cached_engine(method), SETTINGS[setting], seed=11)
@@ -97,7 +102,7 @@ def test_adaptive_draft_length_follows_the_target():
     assert chi_square_pvalue(samples, exact_joint(SETTINGS["t1"])) > 1e-4
 
 
-@pytest.mark.parametrize("method", ["eagle3-chain", "tree"])
+@pytest.mark.parametrize("method", ["eagle3-chain", "tree", "eagle1-tree"])
 def test_misreported_draft_probabilities_are_detected(method):
     """Power check for sampled EAGLE-3 drafts: verifying against a flattened p (the drafts still
     come from the head's true p) must fail the same check."""

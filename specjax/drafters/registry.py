@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from specjax.drafters import autoregressive, draft_model, eagle3, lookahead, medusa, ngram, ngram_first
+from specjax.drafters import autoregressive, draft_model, eagle1, eagle3, lookahead, medusa, ngram, ngram_first
 from specjax.drafters.adaptive import AdaptiveDepth
 from specjax.drafters.base import TREE, BuildContext, Drafter, Method
 from specjax.tree import pool_size
@@ -19,8 +19,8 @@ from specjax.tree import pool_size
 METHODS: dict[str, Method] = {
     method.name: method
     for method in (
-        autoregressive.METHOD, ngram.METHOD, draft_model.METHOD, medusa.METHOD, eagle3.METHOD, ngram_first.METHOD,
-        lookahead.METHOD,
+        autoregressive.METHOD, ngram.METHOD, draft_model.METHOD, medusa.METHOD, eagle1.METHOD, eagle1.STATIC_METHOD,
+        eagle3.METHOD, ngram_first.METHOD, lookahead.METHOD,
     )
 }
 

@@ -191,8 +191,12 @@ def midlayer_output(
     hidden = residual + attention_out.reshape(batch, length, -1).astype(dtype) @ params["o_proj"]
     x = rms_norm(hidden, params["post_attention_layernorm"], config.rms_norm_eps)
     hidden = hidden + (jax.nn.silu(x @ params["gate_proj"]) * (x @ params["up_proj"])) @ params["down_proj"]
-    logits = rms_norm(hidden, params["norm"], config.rms_norm_eps) @ params["lm_head"]
-    return logits.astype(jnp.float32), hidden
+    return head_logits(params, config, hidden), hidden
+
+
+def head_logits(params: Params, config: Eagle3Config, hidden: jax.Array) -> jax.Array:
+    """h_out [..., H] -> float32 draft-vocabulary logits [..., Vd] (final norm, lm_head)."""
+    return (rms_norm(hidden, params["norm"], config.rms_norm_eps) @ params["lm_head"]).astype(jnp.float32)
 
 
 def forward(
