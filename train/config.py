@@ -1,4 +1,4 @@
-"""The draft training configuration (EAGLE-3, Medusa): a frozen dataclass that a YAML file maps onto."""
+"""The draft training configuration (EAGLE-3, EAGLE-1, Medusa): a frozen dataclass that a YAML file maps onto."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import yaml
 
 @dataclasses.dataclass(frozen=True)
 class TrainConfig:
-    """Every knob of `python -m train.eagle3` and `python -m train.medusa`; YAML keys are these field names."""
+    """Every knob of `python -m train.eagle3`, `train.eagle1` and `train.medusa`; YAML keys are these field names."""
 
     # Where things are.
     target: str = ""  # target checkpoint: HF directory or .gguf ("" = the embedded SmolLM2)
@@ -43,6 +43,7 @@ class TrainConfig:
     ttt_length: int = 7
     ttt_decay: float = 0.8  # loss weight of draft position k is ttt_decay**k (TTT steps; Medusa heads)
     medusa_num_heads: int = 3  # Medusa: heads, i.e. tokens drafted per step
+    eagle1_cls_weight: float = 0.1  # EAGLE-1: weight of the cross-entropy beside the feature regression
     compute_dtype: str = "float32"  # or "bfloat16" (master weights stay float32)
 
     # Optimisation.
@@ -96,7 +97,7 @@ _RULES = {  # field: (valid(value), the rule in words); floats must also be fini
     ),
     **dict.fromkeys(
         "max_samples eval_samples warmup_steps data_parallel eval_every tau_eval_every tau_eval_prompts "
-        "final_lr_ratio weight_decay distill_temperature".split(),
+        "final_lr_ratio weight_decay distill_temperature eagle1_cls_weight".split(),
         (lambda value: value >= 0, ">= 0"),
     ),
     **dict.fromkeys(("learning_rate", "ttt_decay", "grad_clip"), (lambda value: value > 0, "> 0")),
