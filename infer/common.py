@@ -67,8 +67,8 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
     model.add_argument("--model", default=None, help="HF directory or .gguf file (default: embedded SmolLM2-135M-Instruct)")
     model.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
     model.add_argument("--max-len", type=POSITIVE_INT, default=1024, help="KV cache slots per row")
-    model.add_argument("--draft", default=None, help="what the method drafts with: a draft model (HF dir / .gguf) "
-                       "or an EAGLE-3 draft directory (default: the shipped one)")
+    model.add_argument("--draft", default=None, help="what the method drafts with: a draft model (HF dir / .gguf), "
+                       "or an EAGLE-3, EAGLE-1 or Medusa draft directory (default: the shipped one)")
 
 
 def add_method_args(parser: argparse.ArgumentParser) -> None:
@@ -77,11 +77,11 @@ def add_method_args(parser: argparse.ArgumentParser) -> None:
     choices = "; ".join(f"{m.name}: {m.help}" for m in METHODS.values())
     spec.add_argument("--method", choices=list(METHODS), default="ar", help=choices)
     spec.add_argument("--num-spec", type=POSITIVE_INT, default=None, help="drafted tokens per step (default: the method's)")
-    spec.add_argument("--tree", type=_shape_arg(TREE), default=None, help=f"a tree {TREE}: an EAGLE-2 dynamic tree (eagle3), a static tree of the heads' top-k (medusa)")
+    spec.add_argument("--tree", type=_shape_arg(TREE), default=None, help=f"a tree {TREE}: an EAGLE-2 dynamic tree (eagle3, eagle1), a static tree of top-k rank paths (medusa, eagle1-static)")
     spec.add_argument("--lookahead", type=_shape_arg(LOOKAHEAD), default=None, help=f"{LOOKAHEAD} (lookahead)")
     spec.add_argument("--min-ngram", type=POSITIVE_INT, default=None, help="shortest suffix match for prompt lookup")
     spec.add_argument("--auto", action="store_true", help="adaptive draft length: each step drafts 0 .. --num-spec "
-                      "tokens, whatever pays (chain methods: ngram, eagle3, eagle3+ngram, medusa)")
+                      "tokens, whatever pays (chain methods: ngram, eagle3, eagle3+ngram, eagle1, medusa)")
 
 
 def _shape_arg(name: str):

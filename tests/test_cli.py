@@ -32,6 +32,9 @@ def test_generate_speculative_text_equals_autoregressive(capsys):
     for tree in ([], ["--tree", "3,2,5"]):  # the shipped Medusa heads, a chain and a static tree
         heads = run_generate(capsys, "--method", "medusa", *tree, *common)
         assert text(heads) == text(plain) and "tau" in heads
+    for method in (["eagle1"], ["eagle1", "--tree", "3,2,5"], ["eagle1-static"]):  # the shipped EAGLE-1 draft
+        feature_draft = run_generate(capsys, "--method", *method, *common)
+        assert text(feature_draft) == text(plain) and "tau" in feature_draft
 
 
 @pytest.mark.slow
