@@ -333,6 +333,16 @@ def cached_arrays(path: Path, key: str, build: Callable[[], dict[str, np.ndarray
     return arrays
 
 
+def frequent_response_tokens(config: TrainConfig, target_vocab_size: int, train_rows: data.TokenRows) -> np.ndarray:
+    """[Vd] sorted target ids: the config.draft_vocab_size most frequent response tokens of the
+    training rows (a draft vocabulary), cached in output_dir/draft_vocab.npz under a key of its inputs."""
+    if config.draft_vocab_size > target_vocab_size:
+        raise ValueError(f"draft_vocab_size {config.draft_vocab_size} exceeds the target vocabulary ({target_vocab_size})")
+    key = fingerprint(train_rows.tokens, train_rows.loss_mask, config.draft_vocab_size, target_vocab_size)
+    build = lambda: {"ids": data.draft_vocab_ids(train_rows, config.draft_vocab_size, target_vocab_size)}
+    return cached_arrays(Path(config.output_dir) / "draft_vocab.npz", key, build)["ids"]
+
+
 def offline_features(method: Method, rows: data.TokenRows, directory: Path, batch_size: int, key: str) -> dict[str, np.ndarray]:
     """The method's target outputs for every row, memory-mapped from directory/<name>.npy; computed
     first unless stored under `key` (written last: an interrupted computation is redone)."""

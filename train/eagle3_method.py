@@ -132,8 +132,6 @@ class Eagle3Method:
     @classmethod
     def build(cls, config: TrainConfig, target: core.Target, train_rows: data.TokenRows) -> Eagle3Method:
         """The draft vocabulary (cached in output_dir/draft_vocab.npz under a key of its inputs) and init_from."""
-        if config.draft_vocab_size > target.config.vocab_size:
-            raise ValueError(f"draft_vocab_size {config.draft_vocab_size} exceeds the target vocabulary ({target.config.vocab_size})")
         draft_config = eagle3.Eagle3Config.from_target(target.config, config.draft_vocab_size)
         rebuild = config.init_vocab == "rebuild" or not config.init_from
         initial_params = None
@@ -141,9 +139,7 @@ class Eagle3Method:
             initial_params, vocab = load_initial_draft(config.init_from, draft_config, target.config, any_vocab_size=rebuild)
             ids = np.asarray(vocab.target_ids)
         if rebuild:
-            key = core.fingerprint(train_rows.tokens, train_rows.loss_mask, config.draft_vocab_size, target.config.vocab_size)
-            build = lambda: {"ids": data.draft_vocab_ids(train_rows, config.draft_vocab_size, target.config.vocab_size)}
-            new_ids = core.cached_arrays(Path(config.output_dir) / "draft_vocab.npz", key, build)["ids"]
+            new_ids = core.frequent_response_tokens(config, target.config.vocab_size, train_rows)
             if initial_params is not None:
                 initial_params = remap_draft_head(initial_params, ids, new_ids, target.params, target.config)
             ids = new_ids

@@ -147,14 +147,9 @@ class MedusaMethod:
 
     @classmethod
     def build(cls, config: TrainConfig, target: core.Target, train_rows: data.TokenRows) -> MedusaMethod:
-        """The truncated vocabulary: the draft_vocab_size most frequent response tokens (cached in output_dir)."""
-        if config.draft_vocab_size > target.config.vocab_size:
-            raise ValueError(f"draft_vocab_size {config.draft_vocab_size} exceeds the target vocabulary ({target.config.vocab_size})")
-        key = core.fingerprint(train_rows.tokens, train_rows.loss_mask, config.draft_vocab_size, target.config.vocab_size)
-        build = lambda: {"ids": data.draft_vocab_ids(train_rows, config.draft_vocab_size, target.config.vocab_size)}
-        ids = core.cached_arrays(Path(config.output_dir) / "draft_vocab.npz", key, build)["ids"]
+        """The truncated vocabulary: the draft_vocab_size most frequent response tokens."""
+        ids = core.frequent_response_tokens(config, target.config.vocab_size, train_rows)
         return cls(config, target.config, target.params, jnp.asarray(ids, jnp.int32))
-
 
 def prepare(config: TrainConfig) -> core.Setup:
     """Target, rows, Medusa method and features of a run (core.prepare)."""

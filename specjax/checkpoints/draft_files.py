@@ -14,6 +14,7 @@ import struct as binary
 import time
 import zipfile
 from pathlib import Path
+from typing import Any
 
 import ml_dtypes
 import numpy as np

@@ -27,7 +27,7 @@ from specjax.checkpoints.eagle1 import load_eagle1
 from specjax.drafters.base import TREE, Method, Priors, Proposal, StepContext
 from specjax.drafters.feature_draft import FeatureDraftState, FeatureDrafter, HeadShape, fed_mask
 from specjax.drafters.medusa import tree_paths
-from specjax.models import eagle1, llama
+from specjax.models import eagle1
 from specjax.models.config import ModelConfig
 from specjax.models.llama import Taps
 from specjax.tree import from_paths
