@@ -15,11 +15,13 @@ python -m infer.bench --methods $AUTO --batch-size 1,4 --prompts mt-bench --num-
     --out results/bench_auto_mtbench.json | tee results/bench_auto_mtbench.txt
 python -m infer.bench --methods ar,eagle3+ngram:2,eagle3+ngram:3,eagle3+ngram:4,eagle3+ngram:5,eagle3+ngram:auto3,eagle3+ngram:auto5 \
     --batch-size 1 --prompts code --out results/bench_auto_code.json | tee results/bench_auto_code.txt
-# Medusa heads beside EAGLE-3 on code (batch 1 and 4) and MT-bench (batch 1).
-M=ar,medusa:2,medusa:3,medusa:3,2,5,eagle3:3,eagle3:3,2,5
-python -m infer.bench --methods $M --batch-size 1,4 --prompts code --out results/bench_medusa_code.json | tee results/bench_medusa_code.txt
-python -m infer.bench --methods $M --batch-size 1 --prompts mt-bench --num-prompts 8 --max-new-tokens 64 \
-    --out results/bench_medusa_mtbench.json | tee results/bench_medusa_mtbench.txt
+# The lesson's table: Medusa, EAGLE-1 (chain, static tree, EAGLE-2 tree), EAGLE-3 (chain, EAGLE-2 tree)
+# and Lookahead, on code and MT-bench, batch 1 and 4.
+LESSON=ar,medusa:2,medusa:3,2,5,eagle1:3,eagle1-static:3,2,5,eagle1:3,2,5,eagle3:3,eagle3:3,2,5,lookahead:2,3,2
+python -m infer.bench --methods $LESSON --batch-size 1,4 --prompts code \
+    --out results/bench_lesson_code.json --plots results/lesson_code | tee results/bench_lesson_code.txt
+python -m infer.bench --methods $LESSON --batch-size 1,4 --prompts mt-bench --num-prompts 8 --max-new-tokens 64 \
+    --out results/bench_lesson_mtbench.json --plots results/lesson_mtbench | tee results/bench_lesson_mtbench.txt
 # The default invocation (ar, ngram:5, eagle3:5 on the code set, batch 1 and 4), timed.
 start=$SECONDS
 python -m infer.bench --out results/bench_default.json --plots results/default | tee results/bench_default.txt
