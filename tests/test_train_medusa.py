@@ -48,7 +48,7 @@ def test_loss_matches_a_per_position_reference(tmp_path):
     params = jax.tree.map(lambda p: p + 0.05 * jax.random.normal(jax.random.key(1), p.shape), method.init_params(jax.random.key(0)))
     batch = core.get_batch(setup, setup.train_rows, np.arange(4))
     total, stats = method.loss(params, method.frozen(False), batch)
-    tokens, mask = np.asarray(batch["tokens"]), np.asarray(batch["loss_mask"])
+    mask = np.asarray(batch["loss_mask"])
     out = llama.forward(method.target_params, TARGET, batch["tokens"], jnp.broadcast_to(jnp.arange(16), (4, 16)), None,
                         jnp.tril(jnp.ones((16, 16), bool)), taps=llama.Taps(final_hidden=True))
     heads = np.asarray(medusa.forward(params, out.features))  # [B, T, K, Vt]
