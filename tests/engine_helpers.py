@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 
@@ -59,8 +61,7 @@ def eagle3_drafter(
 
 def eagle1_drafter(config: ModelConfig, params, *, seed: int = 9, fc_bias: bool = False, **kwargs) -> Eagle1Drafter:
     """A random EAGLE-1 layer (kwargs: depth, top_k, tree_nodes, or paths for a static tree)."""
-    layer_config = eagle1.Eagle1Config.from_target(config)
-    layer_config = eagle1.Eagle1Config(**{**vars(layer_config), "fc_bias": fc_bias})
+    layer_config = dataclasses.replace(eagle1.Eagle1Config.from_target(config), fc_bias=fc_bias)
     layer_params = eagle1.init_params(layer_config, jax.random.key(seed))
     if fc_bias:
         layer_params["fc_bias"] = 0.1 * jax.random.normal(jax.random.key(seed + 1), layer_params["fc_bias"].shape)

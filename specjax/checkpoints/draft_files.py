@@ -1,9 +1,11 @@
 """Draft checkpoint files shared by every draft format: safetensors and torch pickles read
-without torch (or running pickle code), and an atomic, validated export of a draft directory."""
+without torch (or running pickle code), an atomic, validated export of a draft directory, and the
+Llama keys of a one-layer draft's config.json (EAGLE-1, EAGLE-3)."""
 
 from __future__ import annotations
 
 import collections
+import dataclasses
 import io
 import json
 import math
@@ -20,6 +22,7 @@ import ml_dtypes
 import numpy as np
 
 from specjax.checkpoints.hf import check_safetensors, read_json
+from specjax.models.config import _rope
 
 _DTYPES = {
     "F64": np.float64,
@@ -227,3 +230,39 @@ def write_draft(
         shutil.rmtree(staging, ignore_errors=True)
         raise
     shutil.rmtree(previous) if previous.is_dir() else previous.unlink(missing_ok=True)
+
+
+def layer_config_json(config) -> dict[str, Any]:
+    """The Llama config.json keys of a one-layer draft (a config with `models.config.layer_shape`'s fields)."""
+    return {
+        "model_type": "llama",
+        "hidden_size": config.hidden_size,
+        "intermediate_size": config.intermediate_size,
+        "num_attention_heads": config.num_heads,
+        "num_key_value_heads": config.num_kv_heads,
+        "head_dim": config.head_dim,
+        "num_hidden_layers": 1,
+        "hidden_act": "silu",
+        "rms_norm_eps": config.rms_norm_eps,
+        "rope_theta": config.rope_theta,
+        "rope_scaling": None if config.rope_scaling is None else {"rope_type": "llama3", **dataclasses.asdict(config.rope_scaling)},
+        "max_position_embeddings": config.max_position_embeddings,
+    }
+
+
+def layer_config_fields(raw: dict) -> dict[str, Any]:
+    """`models.config.layer_shape`'s fields from a one-layer draft's config.json (KeyError for a
+    missing key; the rope in both styles: rope_theta + rope_scaling, or rope_parameters)."""
+    num_heads = raw["num_attention_heads"]
+    rope_theta, rope_scaling = _rope(raw)
+    return dict(
+        hidden_size=raw["hidden_size"],
+        num_heads=num_heads,
+        num_kv_heads=raw.get("num_key_value_heads") or num_heads,
+        head_dim=raw.get("head_dim") or raw["hidden_size"] // num_heads,
+        intermediate_size=raw["intermediate_size"],
+        rms_norm_eps=raw.get("rms_norm_eps", 1e-5),
+        rope_theta=float(rope_theta),
+        rope_scaling=rope_scaling,
+        max_position_embeddings=raw.get("max_position_embeddings", 8192),
+    )

@@ -22,9 +22,9 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 
-from specjax.checkpoints.draft_files import read_weights, write_draft
+from specjax.checkpoints.draft_files import layer_config_fields, layer_config_json, read_weights, write_draft
 from specjax.checkpoints.hf import read_json
-from specjax.models.config import ModelConfig, _rope
+from specjax.models.config import ModelConfig
 from specjax.models.eagle1 import Eagle1Config, Params
 
 ARCHITECTURES = ("EagleLlamaForCausalLM", "LlamaForCausalLM")  # vLLM, the EAGLE reference
@@ -53,23 +53,7 @@ FIXED_KEYS = {
 
 
 def config_to_json(config: Eagle1Config, dtype: str) -> dict:
-    return {
-        "architectures": [ARCHITECTURES[0]],
-        "model_type": "llama",
-        "hidden_size": config.hidden_size,
-        "intermediate_size": config.intermediate_size,
-        "num_attention_heads": config.num_heads,
-        "num_key_value_heads": config.num_kv_heads,
-        "head_dim": config.head_dim,
-        "num_hidden_layers": 1,
-        "hidden_act": "silu",
-        "rms_norm_eps": config.rms_norm_eps,
-        "rope_theta": config.rope_theta,
-        "rope_scaling": None if config.rope_scaling is None else {"rope_type": "llama3", **dataclasses.asdict(config.rope_scaling)},
-        "max_position_embeddings": config.max_position_embeddings,
-        "vocab_size": config.vocab_size,
-        "torch_dtype": dtype,
-    }
+    return {"architectures": [ARCHITECTURES[0]], **layer_config_json(config), "vocab_size": config.vocab_size, "torch_dtype": dtype}
 
 
 def config_from_json(raw: dict) -> Eagle1Config:
@@ -79,20 +63,7 @@ def config_from_json(raw: dict) -> Eagle1Config:
     for key, value in FIXED_KEYS.items():
         if raw.get(key, value) != value:
             raise ValueError(f"{key}={raw[key]!r} is not implemented (only {value!r})")
-    num_heads = raw["num_attention_heads"]
-    rope_theta, rope_scaling = _rope(raw)
-    return Eagle1Config(
-        hidden_size=raw["hidden_size"],
-        num_heads=num_heads,
-        num_kv_heads=raw.get("num_key_value_heads") or num_heads,
-        head_dim=raw.get("head_dim") or raw["hidden_size"] // num_heads,
-        intermediate_size=raw["intermediate_size"],
-        vocab_size=raw["vocab_size"],
-        rms_norm_eps=raw.get("rms_norm_eps", 1e-5),
-        rope_theta=float(rope_theta),
-        rope_scaling=rope_scaling,
-        max_position_embeddings=raw.get("max_position_embeddings", 8192),
-    )
+    return Eagle1Config(**layer_config_fields(raw), vocab_size=raw["vocab_size"])
 
 
 def save_eagle1(path: str | Path, config: Eagle1Config, params: Params, dtype=np.float32, *, overwrite: bool = False) -> None:

@@ -11,16 +11,14 @@ What is read, written and refused, and why: docs/architecture.md, "Checkpoint fo
 
 from __future__ import annotations
 
-import dataclasses
 from pathlib import Path
 
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 
-from specjax.checkpoints.draft_files import read_weights, write_draft
+from specjax.checkpoints.draft_files import layer_config_fields, layer_config_json, read_weights, write_draft
 from specjax.checkpoints.hf import read_json
-from specjax.models.config import _rope
 from specjax.models.eagle3 import DraftVocab, Eagle3Config, Params
 
 TORCH_NAMES = {
@@ -69,18 +67,7 @@ def config_to_json(config: Eagle3Config, dtype: str, target: dict | None = None)
     """
     raw = {
         "architectures": [ARCHITECTURES[0]],
-        "model_type": "llama",
-        "hidden_size": config.hidden_size,
-        "intermediate_size": config.intermediate_size,
-        "num_attention_heads": config.num_heads,
-        "num_key_value_heads": config.num_kv_heads,
-        "head_dim": config.head_dim,
-        "num_hidden_layers": 1,
-        "hidden_act": "silu",
-        "rms_norm_eps": config.rms_norm_eps,
-        "rope_theta": config.rope_theta,
-        "rope_scaling": None if config.rope_scaling is None else {"rope_type": "llama3", **dataclasses.asdict(config.rope_scaling)},
-        "max_position_embeddings": config.max_position_embeddings,
+        **layer_config_json(config),
         "vocab_size": config.target_vocab_size,
         "draft_vocab_size": config.draft_vocab_size,
         "norm_before_residual": config.norm_before_residual,
@@ -118,23 +105,13 @@ def config_from_json(raw: dict) -> Eagle3Config:
                 raise ValueError(f"{key}={given[key]!r} is not implemented (only {value!r})")
     if raw.get("target_hidden_size", raw["hidden_size"]) != raw["hidden_size"]:
         raise ValueError(f"target_hidden_size {raw['target_hidden_size']} != hidden_size {raw['hidden_size']} is not implemented")
-    num_heads = raw["num_attention_heads"]
-    rope_theta, rope_scaling = _rope(raw)
     taps = eagle.get(TAPS_KEY)
     if taps is not None and not all(isinstance(layer, int) for layer in taps):
         raise ValueError(f"eagle_config.{TAPS_KEY} must be layer indices, got {taps!r}")
     return Eagle3Config(
-        hidden_size=raw["hidden_size"],
-        num_heads=num_heads,
-        num_kv_heads=raw.get("num_key_value_heads") or num_heads,
-        head_dim=raw.get("head_dim") or raw["hidden_size"] // num_heads,
-        intermediate_size=raw["intermediate_size"],
+        **layer_config_fields(raw),
         draft_vocab_size=raw.get("draft_vocab_size") or raw["vocab_size"],
         target_vocab_size=raw["vocab_size"],
-        rms_norm_eps=raw.get("rms_norm_eps", 1e-5),
-        rope_theta=float(rope_theta),
-        rope_scaling=rope_scaling,
-        max_position_embeddings=raw.get("max_position_embeddings", 8192),
         tap_layers=None if taps is None else tuple(layer + 1 for layer in taps),
         norm_before_residual=bool(raw.get("norm_before_residual", False)),
     )

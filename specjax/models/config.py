@@ -116,6 +116,15 @@ class ModelConfig:
         )
 
 
+def layer_shape(target: ModelConfig) -> dict[str, Any]:
+    """The fields of a one-layer draft shaped like one of `target`'s layers (EAGLE-1, EAGLE-3 drafts)."""
+    return dict(
+        hidden_size=target.hidden_size, num_heads=target.num_heads, num_kv_heads=target.num_kv_heads,
+        head_dim=target.head_dim, intermediate_size=target.intermediate_size, rms_norm_eps=target.rms_norm_eps,
+        rope_theta=target.rope_theta, rope_scaling=target.rope_scaling, max_position_embeddings=target.max_position_embeddings,
+    )
+
+
 def _rope(hf: dict[str, Any]) -> tuple[float, Llama3RopeScaling | None]:
     """(rope_theta, scaling) from either rope format; only default and llama3 rope types exist here."""
     params = hf.get("rope_parameters") or hf.get("rope_scaling") or {}

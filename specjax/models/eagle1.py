@@ -23,7 +23,7 @@ import jax.numpy as jnp
 
 from specjax.kv_cache import KVCache
 from specjax.models.attention import attention
-from specjax.models.config import Llama3RopeScaling, ModelConfig
+from specjax.models.config import Llama3RopeScaling, ModelConfig, layer_shape
 from specjax.models.llama import apply_rope, rms_norm, rope_frequencies
 
 Params = dict[str, jax.Array]
@@ -46,18 +46,7 @@ class Eagle1Config:
     @classmethod
     def from_target(cls, target: ModelConfig) -> Eagle1Config:
         """A draft layer shaped like one of `target`'s."""
-        return cls(
-            hidden_size=target.hidden_size,
-            num_heads=target.num_heads,
-            num_kv_heads=target.num_kv_heads,
-            head_dim=target.head_dim,
-            intermediate_size=target.intermediate_size,
-            vocab_size=target.vocab_size,
-            rms_norm_eps=target.rms_norm_eps,
-            rope_theta=target.rope_theta,
-            rope_scaling=target.rope_scaling,
-            max_position_embeddings=target.max_position_embeddings,
-        )
+        return cls(**layer_shape(target), vocab_size=target.vocab_size)
 
     def param_shapes(self) -> dict[str, tuple[int, ...]]:
         """Shape of every parameter, [in, out] for matrices."""

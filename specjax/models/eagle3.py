@@ -25,7 +25,7 @@ from flax import struct
 
 from specjax.kv_cache import KVCache
 from specjax.models.attention import attention
-from specjax.models.config import Llama3RopeScaling, ModelConfig
+from specjax.models.config import Llama3RopeScaling, ModelConfig, layer_shape
 from specjax.models.llama import apply_rope, rms_norm, rope_frequencies
 
 Params = dict[str, jax.Array]
@@ -66,17 +66,9 @@ class Eagle3Config:
         if not 0 < draft_vocab_size <= target.vocab_size:
             raise ValueError(f"draft_vocab_size {draft_vocab_size} not in (0, {target.vocab_size}]")
         return cls(
-            hidden_size=target.hidden_size,
-            num_heads=target.num_heads,
-            num_kv_heads=target.num_kv_heads,
-            head_dim=target.head_dim,
-            intermediate_size=target.intermediate_size,
+            **layer_shape(target),
             draft_vocab_size=draft_vocab_size,
             target_vocab_size=target.vocab_size,
-            rms_norm_eps=target.rms_norm_eps,
-            rope_theta=target.rope_theta,
-            rope_scaling=target.rope_scaling,
-            max_position_embeddings=target.max_position_embeddings,
             tap_layers=feature_layers(target.num_layers),
         )
 
