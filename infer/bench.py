@@ -78,8 +78,20 @@ def interleaved_passes(engines: dict[MethodSpec, Engine], batches, sampling, max
     return passes
 
 
-def bench_batch_size(engines: dict[MethodSpec, Engine], batches, args) -> list[dict]:
-    """All methods at one batch size: warm-up, --repeats interleaved passes (medians), step profiles."""
+def tau_by_category(accepted_hist: np.ndarray, row_categories: list[str]) -> dict[str, float]:
+    """accepted_hist [R, D + 1] per row -> {category: tokens per verifier call over its rows}."""
+    counts = np.arange(accepted_hist.shape[-1]) + 1
+    taus = {}
+    for category in dict.fromkeys(row_categories):
+        rows = accepted_hist[[c == category for c in row_categories]]
+        taus[category] = float((rows * counts).sum() / max(rows.sum(), 1))
+    return taus
+
+
+def bench_batch_size(engines: dict[MethodSpec, Engine], batches, args, row_categories: list[str] | None = None) -> list[dict]:
+    """All methods at one batch size: warm-up, --repeats interleaved passes (medians), step profiles.
+
+    row_categories: the prompt category of each row of `batches` (in order), for tau by category."""
     batch_size = len(batches[0])
     sampling = common.sampling_params(args, batch_size)
     passes = interleaved_passes(engines, batches, sampling, args.max_new_tokens, args.repeats, args.seed)
@@ -107,6 +119,8 @@ def bench_batch_size(engines: dict[MethodSpec, Engine], batches, args) -> list[d
             "t_verify_ms": timings["verify"] * 1e3,
             "t_draft_ms": timings["draft"] * 1e3,
         })
+        if row_categories is not None:
+            results[-1]["tau_by_category"] = tau_by_category(stats.accepted_hist, row_categories)
     return results
 
 
@@ -136,6 +150,16 @@ def table(results: list[dict]) -> str:
             f"{r['c']:>7.2f}{r['verify_over_decode']:>7.2f}{number(r['bound']):>7}{number(r['fraction_of_bound']):>9}"
             f"{r['drafting_share']:>9.2f}  {accept}"
         )
+    return "\n".join(lines)
+
+
+def category_table(results: list[dict]) -> str:
+    """tau per prompt category (MT-bench's), one row per method and batch size."""
+    names = list(results[0]["tau_by_category"])
+    header = f"{'method':<16}{'batch':>6}" + "".join(f"{name[:10]:>11}" for name in names)
+    lines = [header, "-" * len(header)]
+    for r in results:
+        lines.append(f"{r['method']:<16}{r['batch_size']:>6}" + "".join(f"{r['tau_by_category'][n]:>11.2f}" for n in names))
     return "\n".join(lines)
 
 
@@ -176,6 +200,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     prompt_sets.load(args.prompts)  # a bad prompt set is named before the model loads
     config, params, tokenizer = common.load_target(args)
     token_ids = prompt_sets.token_ids(tokenizer, args.prompts, args.num_prompts)
+    categories = prompt_sets.categories(args.prompts)
     engines = {
         spec: Engine(config, params, common.build_drafter(spec, args, config, params),
                      max_len=args.max_len, eos_ids=tokenizer.eos_token_ids)
@@ -185,10 +210,14 @@ def main(argv: list[str] | None = None) -> list[dict]:
     for batch_size in tqdm(args.batch_size, desc="bench", unit="batch size"):
         cycled = [token_ids[i % len(token_ids)] for i in range(max(batch_size, len(token_ids)))]
         batches = [cycled[i : i + batch_size] for i in range(0, len(cycled) - batch_size + 1, batch_size)]
-        results += bench_batch_size(engines, batches, args)
+        rows = len(batches) * batch_size
+        row_categories = None if categories is None else [categories[i % len(token_ids)] for i in range(rows)]
+        results += bench_batch_size(engines, batches, args, row_categories)
     results.sort(key=lambda r: (args.method_specs.index(MethodSpec.parse(r["method"])), r["batch_size"]))
     summarise(results)
     print(table(results))
+    if categories is not None:
+        print("\ntau by category\n" + category_table(results))
     meta = {k: v for k, v in vars(args).items() if k != "method_specs"}
     Path(args.out).write_text(json.dumps({"args": meta, "results": results}, indent=2) + "\n")
     print(f"wrote {args.out}")

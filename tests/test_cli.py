@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
 import pytest
 
-from infer import bench, generate, tune
+from infer import bench, common, generate, tune
 
 PROMPT = "Repeat exactly: alpha beta gamma delta, alpha beta gamma delta."
 
@@ -138,6 +139,26 @@ def test_bench_and_tune_refuse_flags_they_do_not_take(capsys):
         tune.parse_args(["--methods", "ar"])
 
 
+
+def test_tau_by_category_pools_the_rows_of_each_category():
+    hist = np.array([[2, 1, 0], [0, 0, 4], [1, 1, 1], [4, 0, 0]])  # [rows, D + 1] calls by accepted drafts
+    taus = bench.tau_by_category(hist, ["a", "b", "a", "c"])
+    assert taus == {"a": (2 + 2 + 1 + 2 + 3) / 6, "b": 3.0, "c": 1.0}
+
+def test_draft_flag_goes_to_one_method_or_every_drafting_method():
+    args = bench.parse_args(["--methods", "draft:3,eagle3:3,medusa", "--draft", "draft=runs/lm", "--draft", "eagle3=a=b"])
+    assert common.draft_paths(args.draft) == {"draft": "runs/lm", "eagle3": "a=b"}
+    assert common.draft_paths(["some/dir=1"]) == {None: "some/dir=1"}  # not METHOD=PATH: a path holding '='
+    for argv, message in (
+        (["--draft", "eagle9=x"], "unknown method 'eagle9'"),
+        (["--draft", "eagle3=x", "--draft", "eagle3=y"], "--draft given twice for eagle3"),
+        (["--draft", "x", "--draft", "y"], "--draft given twice for every method"),
+        (["--draft", "medusa=x"], r"--draft medusa=PATH is not used by ar, ngram:5, eagle3:3"),
+    ):
+        with pytest.raises(ValueError, match=message):
+            bench.parse_args(["--methods", "ngram:5,eagle3:3", *argv])
+
+
 @pytest.mark.slow
 def test_bench_writes_table_json_and_plots(tmp_path, capsys):
     out = tmp_path / "bench.json"
@@ -150,3 +171,14 @@ def test_bench_writes_table_json_and_plots(tmp_path, capsys):
         assert r["tokens_per_s"] > 0 and r["t_decode_ms"] > 0 and 1.0 <= r["tau"] <= 4.0
         assert r["speedup"] == pytest.approx(1.0) if r["method"] == "ar" else r["speedup"] > 0
     assert (tmp_path / "speedup.png").stat().st_size > 0 and (tmp_path / "acceptance.png").stat().st_size > 0
+
+
+@pytest.mark.slow
+def test_bench_reports_tau_by_mt_bench_category(tmp_path, capsys):
+    out = tmp_path / "bench.json"
+    bench.main(["--methods", "ar,ngram:3", "--batch-size", "2", "--num-prompts", "4", "--max-new-tokens", "8",
+                "--repeats", "1", "--prompts", "mt-bench", "--out", str(out)])
+    assert "tau by category" in capsys.readouterr().out
+    for r in json.loads(out.read_text())["results"]:
+        assert list(r["tau_by_category"]) == ["writing", "roleplay", "reasoning", "math"]  # the first 4 of the round-robin
+        assert min(r["tau_by_category"].values()) <= r["tau"] <= max(r["tau_by_category"].values())

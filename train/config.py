@@ -1,4 +1,4 @@
-"""The draft training configuration (EAGLE-3, EAGLE-1, Medusa): a frozen dataclass that a YAML file maps onto."""
+"""The draft training configuration (EAGLE-3, EAGLE-1, Medusa, draft model): a frozen dataclass that a YAML file maps onto."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import yaml
 
 @dataclasses.dataclass(frozen=True)
 class TrainConfig:
-    """Every knob of `python -m train.eagle3`, `train.eagle1` and `train.medusa`; YAML keys are these field names."""
+    """Every knob of `python -m train.eagle3`, `train.eagle1`, `train.medusa` and `train.draft_lm`; YAML keys are these field names."""
 
     # Where things are.
     target: str = ""  # target checkpoint: HF directory or .gguf ("" = the embedded SmolLM2)
@@ -44,6 +44,7 @@ class TrainConfig:
     ttt_decay: float = 0.8  # loss weight of draft position k is ttt_decay**k (TTT steps; Medusa heads)
     medusa_num_heads: int = 3  # Medusa: heads, i.e. tokens drafted per step
     eagle1_cls_weight: float = 0.1  # EAGLE-1: weight of the cross-entropy beside the feature regression
+    draft_num_layers: int = 4  # draft model (train.draft_lm): the target's first layers it keeps
     compute_dtype: str = "float32"  # or "bfloat16" (master weights stay float32)
 
     # Optimisation.
@@ -91,7 +92,7 @@ class TrainConfig:
 
 _RULES = {  # field: (valid(value), the rule in words); floats must also be finite
     **dict.fromkeys(
-        "seq_len draft_vocab_size medusa_num_heads distill_max_new_tokens distill_batch_size ttt_length batch_size grad_accum_steps "
+        "seq_len draft_vocab_size medusa_num_heads draft_num_layers distill_max_new_tokens distill_batch_size ttt_length batch_size grad_accum_steps "
         "num_steps checkpoint_every keep_checkpoints log_every tau_eval_num_spec tau_eval_max_new_tokens".split(),
         (lambda value: value >= 1, ">= 1"),
     ),

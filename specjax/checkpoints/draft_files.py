@@ -1,6 +1,7 @@
 """Draft checkpoint files shared by every draft format: safetensors and torch pickles read
-without torch (or running pickle code), an atomic, validated export of a draft directory, and the
-Llama keys of a one-layer draft's config.json (EAGLE-1, EAGLE-3)."""
+without torch (or running pickle code), an atomic, validated export of a draft directory, the
+Llama keys of a one-layer draft's config.json (EAGLE-1, EAGLE-3), and a whole draft model written
+as a Hugging Face checkpoint (vanilla speculative decoding)."""
 
 from __future__ import annotations
 
@@ -21,8 +22,8 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 
-from specjax.checkpoints.hf import check_safetensors, read_json
-from specjax.models.config import _rope
+from specjax.checkpoints.hf import HF_NAMES, LINEAR_KEYS, check_safetensors, read_json
+from specjax.models.config import ModelConfig, _rope
 
 _DTYPES = {
     "F64": np.float64,
@@ -266,3 +267,18 @@ def layer_config_fields(raw: dict) -> dict[str, Any]:
         rope_scaling=rope_scaling,
         max_position_embeddings=raw.get("max_position_embeddings", 8192),
     )
+
+
+def save_model(path: str | Path, config: ModelConfig, params: dict, dtype=np.float32, *, overwrite: bool = False) -> None:
+    """A Llama-family model (`specjax.models.llama` params) as a Hugging Face directory: config.json
+    and model.safetensors under the names `hf.load` reads (and transformers, vLLM, SGLang)."""
+    tensors = {}
+    for key, value in params.items():
+        if key != "layers":
+            tensors[HF_NAMES[key]] = np.asarray(value).T if key in LINEAR_KEYS else np.asarray(value)
+    for i, layer in enumerate(params["layers"]):
+        for key, value in layer.items():
+            tensors[HF_NAMES[key].format(i=i)] = np.asarray(value).T if key in LINEAR_KEYS else np.asarray(value)
+    tensors = {name: np.ascontiguousarray(array.astype(dtype)) for name, array in tensors.items()}
+    hf_config = {**config.to_hf(), "torch_dtype": np.dtype(dtype).name}
+    write_draft(path, tensors, hf_config, tuple(hf_config["architectures"]), "a Hugging Face model", overwrite=overwrite)

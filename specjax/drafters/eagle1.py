@@ -123,7 +123,7 @@ class Eagle1Drafter(FeatureDrafter):
         index = {path: i for i, path in enumerate(paths)}  # path -> node index - 1
         width = max(max(p) for p in paths) + 1
         tokens = jnp.zeros((batch, len(paths)), jnp.int32)
-        ranked = jax.lax.top_k(state.logits, width)[1]  # [B, R] the root's children by rank
+        ranked = jax.lax.top_k(self._logits(params, state.hidden), width)[1]  # [B, R] the root's children by rank
         level_paths = [p for p in paths if len(p) == 1]
         tokens = tokens.at[:, [index[p] for p in level_paths]].set(ranked[:, [p[0] for p in level_paths]])
         fed: list[tuple[int, ...]] = []  # nodes fed to the head so far, level by level

@@ -51,7 +51,6 @@ class HeadShape:
 class FeatureDraftState:
     cache: kv.KVCache  # the head's 1-layer cache: one entry per committed target token
     hidden: jax.Array  # [B, H] head output at the newest entry (it predicts the token after the pending one)
-    logits: jax.Array  # [B, Vd] draft-vocabulary logits of that output
 
 
 class FeatureDrafter(Drafter):
@@ -127,7 +126,6 @@ class FeatureDrafter(Drafter):
         return FeatureDraftState(
             cache=kv.KVCache.init(1, batch_size, max_len, s.num_kv_heads, s.head_dim, self.dtype),
             hidden=jnp.zeros((batch_size, s.hidden_size), self.dtype),
-            logits=jnp.zeros((batch_size, s.draft_vocab_size), jnp.float32),
         )
 
     def _in_target_vocab(self, params, probs: jax.Array) -> jax.Array:
@@ -141,7 +139,8 @@ class FeatureDrafter(Drafter):
     def _read(self, params, state: FeatureDraftState, features, next_tokens, count) -> FeatureDraftState:
         """Append `count[b]` entries (target taps [B, W, F], the token after each [B, W]) to the head's cache.
 
-        Rows that read something keep the head output at their last entry for the next draft.
+        Rows that read something keep the head output at their last entry for the next draft
+        (its logits are computed only when a step drafts: an adaptive step at depth 0 skips them).
         """
         width = features.shape[1]
         cache = state.cache
@@ -153,7 +152,6 @@ class FeatureDrafter(Drafter):
         return FeatureDraftState(
             cache=kv.append(cache, out.k, out.v, count),
             hidden=jnp.where(read, hidden, state.hidden),
-            logits=jnp.where(read, self._logits(params, hidden), state.logits),
         )
 
     def prefill(self, params, state: FeatureDraftState, chunk: PrefillChunk) -> FeatureDraftState:
@@ -180,7 +178,8 @@ class FeatureDrafter(Drafter):
 
         At temperature > 0 this accepts a draft with probability sum(min(p, q)) rather than q(top-1).
         """
-        cache, hidden, logits = state.cache, state.hidden, state.logits  # [B, H], [B, Vd]
+        cache, hidden = state.cache, state.hidden  # [B, H]
+        logits = self._logits(params, hidden)  # [B, Vd]
         batch, depth = ctx.pending.shape[0], self.depth
         keys = jax.vmap(lambda k: jax.random.split(k, depth))(key)  # [B, D]
         targets = self._to_target(params, jnp.arange(logits.shape[-1]))  # [Vd] target ids
@@ -212,7 +211,8 @@ class FeatureDrafter(Drafter):
         keeping a node for its own drawn score would bias which tokens are tried. Verified by
         `verify.sampled_tree` (greedy rows: the argmax walk).
         """
-        cache, hidden, logits = state.cache, state.hidden, state.logits  # [B, H], [B, Vd]
+        cache, hidden = state.cache, state.hidden  # [B, H]
+        logits = self._logits(params, hidden)  # [B, Vd]
         batch, k = ctx.pending.shape[0], self.top_k
         keys = jax.vmap(lambda row_key: jax.random.split(row_key, self.depth))(key)  # [B, D]
         greedy = sampling.greedy[:, None, None]  # [B, 1, 1]

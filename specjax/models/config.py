@@ -115,6 +115,35 @@ class ModelConfig:
             eos_token_ids=tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,)),
         )
 
+    def to_hf(self) -> dict[str, Any]:
+        """The Hugging Face config.json of this model (`from_hf` of it gives it back)."""
+        model_type = "qwen2" if self.attention_bias else "qwen3" if self.qk_norm else "llama"
+        if self.attention_bias and self.qk_norm:
+            raise ValueError("no Hugging Face model type has both q/k/v biases and q/k norms")
+        rope_scaling = None
+        if self.rope_scaling is not None:
+            rope_scaling = {"rope_type": "llama3", **dataclasses.asdict(self.rope_scaling)}
+        eos = list(self.eos_token_ids) if len(self.eos_token_ids) != 1 else self.eos_token_ids[0]
+        return {
+            "architectures": [{"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}[model_type]],
+            "model_type": model_type,
+            "vocab_size": self.vocab_size,
+            "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size,
+            "num_hidden_layers": self.num_layers,
+            "num_attention_heads": self.num_heads,
+            "num_key_value_heads": self.num_kv_heads,
+            "head_dim": self.head_dim,
+            "hidden_act": "silu",
+            "rms_norm_eps": self.rms_norm_eps,
+            "rope_theta": self.rope_theta,
+            "rope_scaling": rope_scaling,
+            "tie_word_embeddings": self.tie_word_embeddings,
+            "max_position_embeddings": self.max_position_embeddings,
+            "bos_token_id": self.bos_token_id,
+            "eos_token_id": eos or None,
+        }
+
 
 def layer_shape(target: ModelConfig) -> dict[str, Any]:
     """The fields of a one-layer draft shaped like one of `target`'s layers (EAGLE-1, EAGLE-3 drafts)."""
