@@ -15,12 +15,15 @@ python -m infer.bench --methods $AUTO --batch-size 1,4 --prompts mt-bench --num-
     --out results/bench_auto_mtbench.json | tee results/bench_auto_mtbench.txt
 python -m infer.bench --methods ar,eagle3+ngram:2,eagle3+ngram:3,eagle3+ngram:4,eagle3+ngram:5,eagle3+ngram:auto3,eagle3+ngram:auto5 \
     --batch-size 1 --prompts code --out results/bench_auto_code.json | tee results/bench_auto_code.txt
-# The lesson's table: Medusa, EAGLE-1 (chain, static tree, EAGLE-2 tree), EAGLE-3 (chain, EAGLE-2 tree)
-# and Lookahead, on code and MT-bench, batch 1 and 4.
-LESSON=ar,medusa:2,medusa:3,2,5,eagle1:3,eagle1-static:3,2,5,eagle1:3,2,5,eagle3:3,eagle3:3,2,5,lookahead:2,3,2
-python -m infer.bench --methods $LESSON --batch-size 1,4 --prompts code \
+# The lesson's table: a vanilla draft model, Medusa, EAGLE-1 (chain, static tree, EAGLE-2 tree),
+# EAGLE-3 (chain, EAGLE-2 tree) and Lookahead, on code and MT-bench, batch 1 and 4. The draft model is
+# trained here first if missing (it needs the corpus of scripts/build_smollm2_corpus.py).
+DRAFT_LM=runs/draft_lm_smollm2/draft
+[ -f $DRAFT_LM/config.json ] || python -m train.draft_lm --config configs/draft_lm_smollm2.yaml
+LESSON=ar,draft:3,medusa:2,medusa:3,2,5,eagle1:3,eagle1-static:3,2,5,eagle1:3,2,5,eagle3:3,eagle3:3,2,5,lookahead:2,3,2
+python -m infer.bench --methods $LESSON --draft draft=$DRAFT_LM --batch-size 1,4 --prompts code \
     --out results/bench_lesson_code.json --plots results/lesson_code | tee results/bench_lesson_code.txt
-python -m infer.bench --methods $LESSON --batch-size 1,4 --prompts mt-bench --num-prompts 8 --max-new-tokens 64 \
+python -m infer.bench --methods $LESSON --draft draft=$DRAFT_LM --batch-size 1,4 --prompts mt-bench --num-prompts 8 --max-new-tokens 64 \
     --out results/bench_lesson_mtbench.json --plots results/lesson_mtbench | tee results/bench_lesson_mtbench.txt
 # The default invocation (ar, ngram:5, eagle3:5 on the code set, batch 1 and 4), timed.
 start=$SECONDS

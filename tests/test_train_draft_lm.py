@@ -1,8 +1,9 @@
 """Draft-model training on the shared core: the loss, frozen embedding and head, exact resume,
-a Hugging Face export that transformers and specjax both read, engine tau."""
+a Hugging Face export that transformers and specjax both read, engine tau, metrics.png."""
 
 import dataclasses
 import json
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -19,6 +20,7 @@ from specjax.engine import Engine
 from specjax.models import llama
 from train import core, draft_lm_method
 from train.config import make_config
+from train.metrics_plot import metric_series
 from train_helpers import TARGET, TRAIN_CONFIG, pattern_rows, target_params
 
 
@@ -126,3 +128,13 @@ def test_bad_settings_are_named(tmp_path, overrides, message):
     target = core.Target(tmp_path, TARGET, target_params())
     with pytest.raises(ValueError, match=message):
         draft_lm_method.DraftLMMethod.build(config, target, pattern_rows()[0])
+
+
+def test_metrics_are_plotted_with_loss_acc_and_tau(full_run):
+    setup, _, records = full_run
+    assert (Path(setup.config.output_dir) / "metrics.png").stat().st_size > 0
+    series = metric_series(records)
+    assert [u for u, _ in series["loss"]] == list(range(1, 7))
+    assert series["tau"] == [(3, records[2]["engine"]["tau"]), (6, records[5]["engine"]["tau"])]
+    with_eval = [{"update": 5, "total": 1.0, "eval": {"acc": [0.5, 0.25]}}]
+    assert metric_series(with_eval) == {"loss": [(5, 1.0)], "acc_0": [(5, 0.5)], "acc_1": [(5, 0.25)]}

@@ -38,6 +38,7 @@ from specjax.checkpoints import default_model_path, load_model
 from specjax.models import llama
 from specjax.models.config import ModelConfig
 from train import data, distill
+from train.metrics_plot import plot_metrics
 from train.config import TrainConfig, load_config, parse_overrides
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
@@ -231,7 +232,8 @@ def train(setup: Setup, *, stop_at: int | None = None, evaluate_tau: Callable | 
 
     Returns the final state and a record per update of this invocation ({"update", "total",
     "grad_norm", the method's statistics, "tokens_per_s" when logged, "eval" / "engine" when
-    evaluated}); logged and evaluated ones go to output_dir/metrics.jsonl, once across resumes.
+    evaluated}); logged and evaluated ones go to output_dir/metrics.jsonl, once across resumes,
+    and are plotted in output_dir/metrics.png (loss, held-out acc_k, engine tau) at every evaluation.
     Raises NonFiniteError naming the update and quantities before checkpointing a non-finite one.
     """
     config, accum = setup.config, setup.config.grad_accum_steps
@@ -287,6 +289,10 @@ def train(setup: Setup, *, stop_at: int | None = None, evaluate_tau: Callable | 
             if logged or "eval" in record or "engine" in record:
                 with metrics_file.open("a") as file:
                     file.write(json.dumps(record) + "\n")
+            if "eval" in record or "engine" in record or update == last_update:
+                plot_start = time.time()
+                plot_metrics(config.output_dir)  # output_dir/metrics.png, current at every evaluation
+                last_log_time += time.time() - plot_start
             progress.set_postfix(postfix, refresh=False)
             if update % config.checkpoint_every == 0 or update == last_update:
                 manager.save(update, args=ocp.args.StandardSave(state))
