@@ -80,11 +80,10 @@ def interleaved_passes(engines: dict[MethodSpec, Engine], batches, sampling, max
 
 def tau_by_category(accepted_hist: np.ndarray, row_categories: list[str]) -> dict[str, float]:
     """accepted_hist [R, D + 1] per row -> {category: tokens per verifier call over its rows}."""
-    counts = np.arange(accepted_hist.shape[-1]) + 1
     taus = {}
     for category in dict.fromkeys(row_categories):
         rows = accepted_hist[[c == category for c in row_categories]]
-        taus[category] = float((rows * counts).sum() / max(rows.sum(), 1))
+        taus[category] = Stats(accepted_hist=rows, reached=np.zeros((len(rows), 0)), prefill_s=0.0, decode_s=0.0, tokens=[]).tau
     return taus
 
 

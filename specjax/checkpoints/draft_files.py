@@ -6,7 +6,6 @@ as a Hugging Face checkpoint (vanilla speculative decoding)."""
 from __future__ import annotations
 
 import collections
-import dataclasses
 import io
 import json
 import math
@@ -23,7 +22,7 @@ import ml_dtypes
 import numpy as np
 
 from specjax.checkpoints.hf import HF_NAMES, LINEAR_KEYS, check_safetensors, read_json
-from specjax.models.config import ModelConfig, _rope
+from specjax.models.config import ModelConfig, _rope, rope_scaling_json
 
 _DTYPES = {
     "F64": np.float64,
@@ -246,7 +245,7 @@ def layer_config_json(config) -> dict[str, Any]:
         "hidden_act": "silu",
         "rms_norm_eps": config.rms_norm_eps,
         "rope_theta": config.rope_theta,
-        "rope_scaling": None if config.rope_scaling is None else {"rope_type": "llama3", **dataclasses.asdict(config.rope_scaling)},
+        "rope_scaling": rope_scaling_json(config.rope_scaling),
         "max_position_embeddings": config.max_position_embeddings,
     }
 

@@ -120,9 +120,6 @@ class ModelConfig:
         model_type = "qwen2" if self.attention_bias else "qwen3" if self.qk_norm else "llama"
         if self.attention_bias and self.qk_norm:
             raise ValueError("no Hugging Face model type has both q/k/v biases and q/k norms")
-        rope_scaling = None
-        if self.rope_scaling is not None:
-            rope_scaling = {"rope_type": "llama3", **dataclasses.asdict(self.rope_scaling)}
         eos = list(self.eos_token_ids) if len(self.eos_token_ids) != 1 else self.eos_token_ids[0]
         return {
             "architectures": [{"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}[model_type]],
@@ -137,7 +134,7 @@ class ModelConfig:
             "hidden_act": "silu",
             "rms_norm_eps": self.rms_norm_eps,
             "rope_theta": self.rope_theta,
-            "rope_scaling": rope_scaling,
+            "rope_scaling": rope_scaling_json(self.rope_scaling),
             "tie_word_embeddings": self.tie_word_embeddings,
             "max_position_embeddings": self.max_position_embeddings,
             "bos_token_id": self.bos_token_id,
@@ -152,6 +149,11 @@ def layer_shape(target: ModelConfig) -> dict[str, Any]:
         head_dim=target.head_dim, intermediate_size=target.intermediate_size, rms_norm_eps=target.rms_norm_eps,
         rope_theta=target.rope_theta, rope_scaling=target.rope_scaling, max_position_embeddings=target.max_position_embeddings,
     )
+
+
+def rope_scaling_json(scaling: Llama3RopeScaling | None) -> dict[str, Any] | None:
+    """The config.json `rope_scaling` of a scaling (`_rope` reads it back)."""
+    return None if scaling is None else {"rope_type": "llama3", **dataclasses.asdict(scaling)}
 
 
 def _rope(hf: dict[str, Any]) -> tuple[float, Llama3RopeScaling | None]:
