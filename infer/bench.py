@@ -118,6 +118,8 @@ def bench_batch_size(engines: dict[MethodSpec, Engine], batches, args, row_categ
             "t_verify_ms": timings["verify"] * 1e3,
             "t_draft_ms": timings["draft"] * 1e3,
         })
+        if engine.drafter.variants is not None:  # what each depth costs, relative to depth 0, as the engine priced it
+            results[-1]["depth_costs"] = np.asarray(engine.depth_costs(batch_size)).tolist()
         if row_categories is not None:
             results[-1]["tau_by_category"] = tau_by_category(stats.accepted_hist, row_categories)
     return results

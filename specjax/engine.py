@@ -51,6 +51,7 @@ class DecodeState:
     accepted_hist: jax.Array  # [B, D + 1] verifier calls per accepted-draft count
     reached: jax.Array  # [B, D] verifier calls that verified draft position i
     accept_stats: jax.Array  # [B, 2] decayed (accepted, tried) draft positions, for adaptive depth
+    depth: jax.Array  # [] the next step's draft depth, chosen at the end of the step before (-1: choose then)
 
 
 @dataclasses.dataclass
@@ -136,7 +137,7 @@ class Engine:
         )
 
     def _find_row_axes(self) -> list[int | None]:
-        """Per leaf of DecodeState, the axis that holds the batch (None: the shared step counter).
+        """Per leaf of DecodeState, the axis that holds the batch (None: the shared step counter and depth).
 
         Found by comparing the shapes of two batch sizes; a drafter state leaf without exactly
         one such axis is refused, since `admit` copies new rows in along it.
@@ -146,7 +147,7 @@ class Engine:
         for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(two), jax.tree.leaves(three)):
             differ = [i for i, (x, y) in enumerate(zip(a.shape, b.shape)) if x != y]
             name = jax.tree_util.keystr(path)
-            if name == ".step":
+            if name in (".step", ".depth"):
                 axes.append(None)
             elif len(differ) == 1 and a.ndim == b.ndim:
                 axes.append(differ[0])
@@ -239,11 +240,10 @@ class Engine:
         idle = lambda: jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), jax.eval_shape(run))
         return jax.lax.cond(jnp.any(state.active), run, idle)
 
-    def _adaptive_draft_and_verify(self, params, drafter_params, state: DecodeState, keys, ctx, sampling, depth_costs):
-        """`_draft_and_verify` at the depth `adaptive.choose_depth` picks: one `lax.switch` branch
-        per depth, each returning only its chain padded to the deepest (tokens, K/V, taps, verdict),
-        so the caches are read inside the switch but never carried through it (no copies)."""
-        depth = adaptive.choose_depth(state.accept_stats, state.active, depth_costs)
+    def _adaptive_draft_and_verify(self, params, drafter_params, state: DecodeState, keys, ctx, sampling, depth):
+        """`_draft_and_verify` at `depth`: one `lax.switch` branch per depth, each returning only
+        its chain padded to the deepest (tokens, K/V, taps, verdict), so the caches are read inside
+        the switch but never carried through it (no copies)."""
         width = self.max_depth + 1
 
         def branch(variant: Drafter):
@@ -262,7 +262,7 @@ class Engine:
             path=jnp.minimum(positions[None, :], accepted[:, None]), accepted_at=positions[None, :-1] < accepted[:, None],
         )
         proposal = Proposal(tree=tree_lib.chain(tokens.shape[0], self.max_depth), tokens=tokens)
-        return state.drafter_state, proposal, out, {}, verdict, depth
+        return state.drafter_state, proposal, out, {}, verdict
 
     def _step(self, params, drafter_params, state: DecodeState, sampling, depth_costs) -> DecodeState:
         # Per-row keys, advanced by the row's own verifier calls: a row's draws do not depend on
@@ -271,24 +271,37 @@ class Engine:
         keys = jax.vmap(jax.random.split, out_axes=1)(keys)  # [2, B]: drafting, verifying
         cache = state.cache
         ctx = StepContext(pending=state.pending, lengths=cache.lengths, history=state.history, active=state.active)
-        if self.drafter.variants is None:
+        adaptive_depth = self.drafter.variants is not None
+        if adaptive_depth:
+            chosen = adaptive.choose_depth(state.accept_stats, state.active, depth_costs)
+            depth = jnp.where(state.depth >= 0, state.depth, chosen)
+            drafter_state, proposal, out, aux, verdict = self._adaptive_draft_and_verify(
+                params, drafter_params, state, keys, ctx, sampling, depth
+            )
+        else:
+            depth = self.max_depth
             drafter_state, proposal, out, aux, verdict = self._fixed_draft_and_verify(
                 params, drafter_params, state, keys, ctx, sampling
-            )
-            depth = self.max_depth
-        else:
-            drafter_state, proposal, out, aux, verdict, depth = self._adaptive_draft_and_verify(
-                params, drafter_params, state, keys, ctx, sampling, depth_costs
             )
 
         accepted = jnp.where(state.active, verdict.accepted, 0)  # [B]
         emitted = verify.emitted_tokens(verdict, proposal.tokens)  # [B, D + 1], -1 past the end
+        emitted = jnp.where(state.active[:, None], emitted, -1)
+        num_committed = jnp.where(state.active, accepted + 1, 0)
+        valid = emitted >= 0  # [B, D + 1]
+        num_generated = state.num_generated + num_committed
+        hit_eos = jnp.any(self._is_eos(emitted) & valid, axis=1)
+        active = state.active & ~hit_eos & (num_generated < state.max_new)
+        accept_stats = adaptive.observe(state.accept_stats, accepted, depth, state.active)
+        # The next step's depth is chosen now, so that the drafter knows whether it will draft.
+        next_depth = adaptive.choose_depth(accept_stats, active, depth_costs) if adaptive_depth else state.depth
         commit = Commit(
             accepted=accepted,
-            num_committed=jnp.where(state.active, accepted + 1, 0),
+            num_committed=num_committed,
             path=verdict.path,
             next_token=verdict.next_token,
-            emitted=jnp.where(state.active[:, None], emitted, -1),
+            emitted=emitted,
+            drafts_next=next_depth > 0,
         )
         # The accepted path's entries into contiguous slots (a chain's already are), then the length update.
         cache = kv.write(cache, out.k, out.v)
@@ -297,11 +310,8 @@ class Engine:
         cache = kv.commit(cache, commit.num_committed)
 
         offsets = jnp.arange(emitted.shape[1])  # [D + 1]
-        valid = commit.emitted >= 0  # [B, D + 1]
         slots = jnp.where(valid, ctx.lengths[:, None] + 1 + offsets, self.max_len)  # out of range: dropped
-        history = state.history.at[jnp.arange(emitted.shape[0])[:, None], slots].set(commit.emitted, mode="drop")
-        num_generated = state.num_generated + commit.num_committed
-        hit_eos = jnp.any(self._is_eos(commit.emitted) & valid, axis=1)
+        history = state.history.at[jnp.arange(emitted.shape[0])[:, None], slots].set(emitted, mode="drop")
         hist_update = jax.nn.one_hot(accepted, self.max_depth + 1, dtype=jnp.int32) * state.active[:, None]
         position = jnp.arange(self.max_depth)  # [D]
         reached = state.active[:, None] & (position < depth) & (position <= accepted[:, None])
@@ -310,19 +320,20 @@ class Engine:
             history=history,
             pending=jnp.where(state.active, verdict.next_token, state.pending),
             num_generated=num_generated,
-            active=state.active & ~hit_eos & (num_generated < state.max_new),
+            active=active,
             drafter_state=self.drafter.update(drafter_params, drafter_state, ctx, proposal, commit, out.features, **aux),
             step=state.step + 1,
             accepted_hist=state.accepted_hist + hist_update,
             reached=state.reached + reached,
-            accept_stats=adaptive.observe(state.accept_stats, accepted, depth, state.active),
+            accept_stats=accept_stats,
+            depth=next_depth,
         )
 
     def _decode(self, params, drafter_params, state: DecodeState, sampling, stop_step, depth_costs) -> DecodeState:
         """Decode until every row is done or `stop_step` steps were taken (no host sync inside).
 
-        An adaptive drafter's step runs at the depth `adaptive.choose_depth` picks from the rows'
-        acceptance so far and depth_costs [D + 1]."""
+        An adaptive drafter's step runs at the depth `adaptive.choose_depth` picked at the end of
+        the step before, from the rows' acceptance so far and depth_costs [D + 1]."""
         return jax.lax.while_loop(
             lambda s: jnp.any(s.active) & (s.step < stop_step),
             lambda s: self._step(params, drafter_params, s, sampling, depth_costs),
@@ -350,6 +361,7 @@ class Engine:
             accepted_hist=jnp.zeros((batch_size, self.max_depth + 1), jnp.int32),
             reached=jnp.zeros((batch_size, self.max_depth), jnp.int32),
             accept_stats=jnp.zeros((batch_size, 2), jnp.float32),
+            depth=jnp.full((), -1 if self.drafter.variants is not None else self.max_depth, jnp.int32),
         )
 
     def admit(

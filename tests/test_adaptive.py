@@ -13,7 +13,7 @@ from engine_helpers import ADAPTIVE_COSTS, eagle3_drafter
 from specjax import tree as tree_lib
 from specjax.drafters import adaptive
 from specjax.drafters.adaptive import AdaptiveDepth
-from specjax.drafters.base import ChainDrafter, Proposal
+from specjax.drafters.base import ChainDrafter, Commit, Proposal
 from specjax.drafters.draft_model import DraftModelDrafter
 from specjax.drafters.registry import MethodSpec
 from specjax.engine import Engine
@@ -93,6 +93,41 @@ def test_the_engine_drafts_long_where_drafts_are_right_and_backs_off_where_wrong
     assert wrong.tokens == autoregressive and wrong.tau == 1.0
     assert 0 < wrong.drafting_share < 0.15
     np.testing.assert_array_equal(wrong.acceptance_by_position, 0.0)
+
+
+def test_a_postponing_head_reads_what_it_queued_as_if_it_had_read_every_step():
+    """Entries queued while no step drafts, read in one block (when drafting resumes or the queue
+    is full), leave the head's cache and output where reading them step by step does."""
+    plain = eagle3_drafter(CONFIG, PARAMS, depth=3)
+    queueing = plain.postponing(6)
+    batch, width, rng = 2, 4, np.random.default_rng(0)
+    states = {d: d.init_state(batch, 64) for d in (plain, queueing)}
+    # (accepted drafts per row, committed per row, does the next step draft, entries left queued):
+    # a drafting step read at once; queued steps; a queue that fills (row 1 reaches 6) and is read
+    # although no step drafts; queued again beside a finished row; read when drafting resumes.
+    steps = [([2, 0], [3, 1], True, [0, 0]), ([1, 3], [2, 4], False, [2, 4]), ([0, 0], [1, 1], False, [3, 5]),
+             ([0, 0], [1, 1], False, [0, 0]), ([0, 0], [1, 0], False, [1, 0]), ([0, 0], [1, 0], True, [0, 0])]
+    for accepted, committed, drafts_next, left in steps:
+        accepted = jnp.asarray(accepted, jnp.int32)
+        offsets = jnp.arange(width)
+        tokens = jnp.asarray(rng.integers(0, CONFIG.vocab_size, (batch, width)), jnp.int32)
+        num_committed = jnp.asarray(committed, jnp.int32)
+        commit = Commit(
+            accepted=accepted, num_committed=num_committed, path=jnp.minimum(offsets[None], accepted[:, None]),
+            next_token=tokens[:, -1], emitted=jnp.where(offsets[None] < num_committed[:, None], tokens, -1),
+            drafts_next=jnp.asarray(drafts_next),
+        )
+        features = jnp.asarray(rng.normal(size=(batch, width, plain.taps.width(CONFIG.hidden_size))), jnp.float32)
+        states = {d: d.update(d.params, s, None, None, commit, features) for d, s in states.items()}
+        read, queued = states[plain], states[queueing]
+        np.testing.assert_array_equal(queued.backlog.count, left)
+        np.testing.assert_array_equal(queued.cache.lengths + queued.backlog.count, read.cache.lengths)
+        if not any(left):  # all read: the same cache and output
+            for row, length in enumerate(np.asarray(read.cache.lengths)):
+                for name in ("k", "v"):
+                    np.testing.assert_allclose(getattr(queued.cache, name)[:, row, :length], getattr(read.cache, name)[:, row, :length], rtol=1e-5, atol=1e-5)
+            np.testing.assert_allclose(queued.hidden, read.hidden, rtol=1e-5, atol=1e-5)
+    assert plain.postponing(6).init_state(1, 8).backlog.tokens.shape == (1, 6) and plain.init_state(1, 8).backlog is None
 
 
 def test_costs_are_measured_once_per_batch_size():

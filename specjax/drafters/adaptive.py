@@ -14,6 +14,11 @@ steps of the compiled loop, each depth forced in turn (`Engine.measure_depth_cos
 overhead of drafting, verifying and committing is priced. The batch takes
 argmax_d sum_b E_b(d) / cost(d): verifying costs per block, not per row, so one depth serves every
 row. The choice depends only on the past, so every step stays exact.
+
+Each step's depth is chosen at the end of the step before, so a drafter learns, as it reads what
+was committed, whether the next step drafts; when it does not, a drafter may postpone that
+reading (`Drafter.postponing`: an EAGLE head queues the entries and reads them in one block when
+drafting resumes), so a depth-0 step costs what plain decoding does.
 """
 
 from __future__ import annotations
@@ -24,13 +29,19 @@ import numpy as np
 
 from specjax.drafters.base import Drafter, Wrapper
 
-#: Decay of a row's counts per drafting step: its estimate follows about its last ten drafts.
-DECAY = 0.9
+#: Decay of a row's counts per drafting step: its estimate follows about its last twenty drafts.
+DECAY = 0.95
 #: Decay per step without drafts: with no new evidence a row's estimate drifts back to the prior
-#: (over some 30 steps), so a row that stopped drafting tries again now and then.
+#: (over some 50 steps), so a row that stopped drafting tries again now and then.
 IDLE_DECAY = 0.98
-#: Pseudo-counts (accepted, tried) added to every estimate: alpha starts at 0.5.
-PRIOR = (1.0, 2.0)
+#: Pseudo-counts (accepted, tried) added to every estimate: alpha starts at 0.5. One pseudo-try
+#: only: a heavier prior inflates the estimate of a row that drafts badly (with 2 pseudo-tries
+#: beside ten real ones, an acceptance of 0.09 reads as 0.16), which makes it keep drafting where
+#: a block costs more than that (batch 4: a one-draft step costs about 1.16 decode steps).
+PRIOR = (0.5, 1.0)
+#: Steps at depth 0 in a row for which a drafter may leave what was committed unread
+#: (`Drafter.postponing`): it catches up in one read of this width, not one per step.
+POSTPONE_STEPS = 16
 
 
 def acceptance(stats: jax.Array) -> jax.Array:
@@ -71,6 +82,7 @@ class AdaptiveDepth(Wrapper):
         depth = drafter.max_depth
         if drafter.propose_changes_state:
             raise ValueError(f"{type(drafter).__name__} writes its state while drafting: its draft length cannot vary per step")
+        drafter = drafter.postponing(POSTPONE_STEPS)
         self.variants = tuple(drafter.at_depth(d) for d in range(depth + 1))
         super().__init__(self.variants[-1])
         if costs is not None and np.shape(costs) != (depth + 1,):

@@ -71,6 +71,9 @@ class Commit:
     next_token:    [B] the new pending token (residual or bonus sample).
     emitted:       [B, D + 1] tokens emitted in order: the accepted drafts, then next_token;
                    -1 past the end and for rows that were not active.
+    drafts_next:   [] bool, whether the next step drafts. False only before an adaptive step at
+                   depth 0, which proposes the pending token alone without reading the drafter's
+                   state: `update` may then postpone its work (`Drafter.postponing`).
     """
 
     accepted: jax.Array
@@ -78,6 +81,7 @@ class Commit:
     path: jax.Array
     next_token: jax.Array
     emitted: jax.Array
+    drafts_next: jax.Array
 
 
 @struct.dataclass
@@ -188,6 +192,12 @@ class Drafter(abc.ABC):
         same params and state layout, for `NAME:auto`. Default: not possible."""
         raise ValueError(f"{type(self).__name__} cannot change its draft length per step (no :auto)")
 
+    def postponing(self, steps: int) -> Drafter:
+        """This drafter, allowed to leave what was committed unread while no step drafts
+        (`Commit.drafts_next` False) for up to `steps` steps, and to catch up in one wider read
+        before it drafts again. Default: itself (its update has nothing worth postponing)."""
+        return self
+
 
 class ChainDrafter(Drafter):
     """A drafter proposing a chain of `num_draft` tokens: N = num_draft + 1 nodes."""
@@ -238,6 +248,11 @@ class Wrapper(Drafter):
 
     def update(self, params, state, ctx, proposal, commit, features, **aux):
         return self.inner.update(params, state, ctx, proposal, commit, features, **aux)
+
+    def postponing(self, steps: int) -> Wrapper:
+        postponing = copy.copy(self)
+        postponing.inner = self.inner.postponing(steps)
+        return postponing
 
 
 @dataclasses.dataclass(frozen=True)

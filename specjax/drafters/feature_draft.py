@@ -4,7 +4,10 @@ Both drafts are autoregressive over features. The head's cache entry at position
 feature of position t, the token at t + 1) and its output, fed back as the next entry's feature,
 predicts the token at t + 2; so the head holds one entry per committed target token. After every
 verification (`update`) it reads the accepted path with the target's true features, the last
-entry reading the new pending token; `propose` only drafts, and may be skipped. The two differ
+entry reading the new pending token; `propose` only drafts, and may be skipped. Before adaptive
+steps that draft nothing (`NAME:auto` at depth 0) a postponing drafter only queues those entries,
+and reads the queue in one block before it drafts again: a depth-0 step then costs what plain
+decoding does. The two differ
 only in the head (`FeatureDrafter._head`, `_project`, `_to_target`): EAGLE-3 fuses three target
 layers and predicts a draft vocabulary, EAGLE-1 reads the top layer and regresses the next one.
 
@@ -48,9 +51,19 @@ class HeadShape:
 
 
 @struct.dataclass
+class Backlog:
+    """Committed entries the head has not read yet (`FeatureDrafter.postponing`), in order."""
+
+    features: jax.Array  # [B, W, F] target taps
+    tokens: jax.Array  # [B, W] the token after each
+    count: jax.Array  # [B] entries held
+
+
+@struct.dataclass
 class FeatureDraftState:
-    cache: kv.KVCache  # the head's 1-layer cache: one entry per committed target token
+    cache: kv.KVCache  # the head's 1-layer cache: one entry per committed target token read so far
     hidden: jax.Array  # [B, H] head output at the newest entry (it predicts the token after the pending one)
+    backlog: Backlog | None = None  # entries left unread while no step drafts (postponing drafters only)
 
 
 class FeatureDrafter(Drafter):
@@ -69,6 +82,7 @@ class FeatureDrafter(Drafter):
             )
         self.shape, self.taps = shape, taps
         self.depth, self.top_k, self.tree_nodes, self.chunk_size = depth, top_k, tree_nodes, chunk_size
+        self.backlog_size = 0  # W: entries `update` may leave unread (`postponing`)
 
     @abc.abstractmethod
     def _head(self, params, cache: kv.KVCache, tokens, hidden, positions, block_mask):
@@ -101,6 +115,12 @@ class FeatureDrafter(Drafter):
         variant.depth = variant.tree_nodes = depth
         return variant
 
+    def postponing(self, steps: int) -> FeatureDrafter:
+        # A drafting step appends up to D + 1 entries to an empty backlog, a depth-0 step one.
+        postponing = copy.copy(self)
+        postponing.backlog_size = max(steps, self.depth + 1)
+        return postponing
+
     @property
     def num_nodes(self) -> int:
         return self.tree_nodes + 1
@@ -122,10 +142,16 @@ class FeatureDrafter(Drafter):
             raise ValueError(f"{shape.name} feature layers {self.taps.layer_inputs} beyond the target's {target_config.num_layers} layers")
 
     def init_state(self, batch_size: int, max_len: int) -> FeatureDraftState:
-        s = self.shape
+        s, size = self.shape, self.backlog_size
+        backlog = None if not size else Backlog(
+            features=jnp.zeros((batch_size, size, self.taps.width(s.hidden_size)), self.dtype),
+            tokens=jnp.zeros((batch_size, size), jnp.int32),
+            count=jnp.zeros((batch_size,), jnp.int32),
+        )
         return FeatureDraftState(
             cache=kv.KVCache.init(1, batch_size, max_len, s.num_kv_heads, s.head_dim, self.dtype),
             hidden=jnp.zeros((batch_size, s.hidden_size), self.dtype),
+            backlog=backlog,
         )
 
     def _in_target_vocab(self, params, probs: jax.Array) -> jax.Array:
@@ -136,23 +162,28 @@ class FeatureDrafter(Drafter):
         zeros = jnp.zeros(probs.shape[:-1] + (self.shape.target_vocab_size,), jnp.float32)
         return zeros.at[:, :, targets].set(probs)
 
-    def _read(self, params, state: FeatureDraftState, features, next_tokens, count) -> FeatureDraftState:
-        """Append `count[b]` entries (target taps [B, W, F], the token after each [B, W]) to the head's cache.
-
-        Rows that read something keep the head output at their last entry for the next draft
-        (its logits are computed only when a step drafts: an adaptive step at depth 0 skips them).
-        """
+    def _read_block(self, params, cache: kv.KVCache, features, next_tokens, count):
+        """The head over a block of entries (target taps [B, W, F], the token after each [B, W])
+        placed after each row's cache: (k, v [1, B, W, Hkv, Dh], the output [B, H] at entry
+        count[b] - 1). Nothing is written."""
         width = features.shape[1]
-        cache = state.cache
         positions = cache.lengths[:, None] + jnp.arange(width)[None, :]
         out = self._head(params, cache, next_tokens, self._project(params, features), positions, causal_mask(width))
-        last = jnp.maximum(count - 1, 0)[:, None, None]
-        read = (count > 0)[:, None]
-        hidden = jnp.take_along_axis(out.hidden, last, 1)[:, 0]  # [B, H]
-        return FeatureDraftState(
-            cache=kv.append(cache, out.k, out.v, count),
-            hidden=jnp.where(read, hidden, state.hidden),
+        hidden = jnp.take_along_axis(out.hidden, jnp.maximum(count - 1, 0)[:, None, None], 1)[:, 0]
+        return out.k, out.v, hidden
+
+    def _commit_read(self, state: FeatureDraftState, k, v, hidden, count) -> FeatureDraftState:
+        """Append the first `count[b]` entries of a read block to the head's cache; rows that read
+        something keep the output at their last entry for the next draft (its logits are computed
+        only when a step drafts)."""
+        return state.replace(
+            cache=kv.append(state.cache, k, v, count), hidden=jnp.where((count > 0)[:, None], hidden, state.hidden)
         )
+
+    def _read(self, params, state: FeatureDraftState, features, next_tokens, count) -> FeatureDraftState:
+        """Read `count[b]` entries (target taps [B, W, F], the token after each [B, W]) into the head's cache."""
+        k, v, hidden = self._read_block(params, state.cache, features, next_tokens, count)
+        return self._commit_read(state, k, v, hidden, count)
 
     def prefill(self, params, state: FeatureDraftState, chunk: PrefillChunk) -> FeatureDraftState:
         # Entry t reads the token at t + 1; the prefill stops before the pending token, so it is known.
@@ -163,7 +194,43 @@ class FeatureDrafter(Drafter):
     def update(self, params, state: FeatureDraftState, ctx, proposal, commit: Commit, features) -> FeatureDraftState:
         # The accepted path's entries, with the target's true features; the last one reads the new pending token.
         path_features = jnp.take_along_axis(features, commit.path[:, :, None], 1)  # [B, D + 1, F]
-        return self._read(params, state, path_features, jnp.maximum(commit.emitted, 0), commit.num_committed)
+        next_tokens = jnp.maximum(commit.emitted, 0)  # [B, D + 1]
+        if state.backlog is None:
+            return self._read(params, state, path_features, next_tokens, commit.num_committed)
+        return self._queue(params, state, path_features, next_tokens, commit)
+
+    def _queue(self, params, state: FeatureDraftState, path_features, next_tokens, commit: Commit) -> FeatureDraftState:
+        """Queue the path's entries behind the backlog, and read the backlog when the next step
+        drafts or a row's backlog is full: in a block of the path's width when it holds no more
+        than the path (the backlog was empty), else of the whole backlog's width. The reads run
+        in a `lax.switch` and the cache is written after it (a cache carried through a
+        conditional is copied on XLA:CPU)."""
+        backlog, path_width = state.backlog, path_features.shape[1]
+        size = backlog.tokens.shape[1]
+        rows = jnp.arange(backlog.count.shape[0])[:, None]
+        slots = backlog.count[:, None] + jnp.arange(path_width)  # [B, D + 1]; past the queued ones are overwritten later
+        backlog = Backlog(
+            features=backlog.features.at[rows, slots].set(path_features.astype(backlog.features.dtype), mode="drop"),
+            tokens=backlog.tokens.at[rows, slots].set(next_tokens, mode="drop"),
+            count=backlog.count + commit.num_committed,
+        )
+        read_now = commit.drafts_next | jnp.any(backlog.count >= size)  # a depth-0 step adds one entry
+
+        def read(width):
+            def run():
+                k, v, hidden = self._read_block(
+                    params, state.cache, backlog.features[:, :width], backlog.tokens[:, :width], backlog.count
+                )
+                grow = lambda x: jnp.pad(x, [(0, size - width if axis == 2 else 0) for axis in range(x.ndim)])
+                return grow(k), grow(v), hidden
+            return run
+
+        nothing = lambda: jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), jax.eval_shape(read(size)))
+        which = jnp.where(read_now, jnp.where(jnp.max(backlog.count) <= path_width, 1, 2), 0)
+        k, v, hidden = jax.lax.switch(which, [nothing, read(min(path_width, size)), read(size)])
+        count = jnp.where(read_now, backlog.count, 0)
+        state = self._commit_read(state, k, v, hidden, count)
+        return state.replace(backlog=backlog.replace(count=backlog.count - count))
 
     def propose(self, params, state: FeatureDraftState, key, ctx: StepContext, sampling):
         if self.depth == 0:  # an adaptive step that drafts nothing
