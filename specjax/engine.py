@@ -292,7 +292,9 @@ class Engine:
         num_generated = state.num_generated + num_committed
         hit_eos = jnp.any(self._is_eos(emitted) & valid, axis=1)
         active = state.active & ~hit_eos & (num_generated < state.max_new)
-        accept_stats = adaptive.observe(state.accept_stats, accepted, depth, state.active)
+        guess = self.drafter.first_guess(drafter_params, state.drafter_state, ctx) if adaptive_depth else None
+        guessed, guess_right = (None, None) if guess is None else (guess[1], guess[0] == verdict.next_token)
+        accept_stats = adaptive.observe(state.accept_stats, accepted, depth, state.active, guessed, guess_right)
         # The next step's depth is chosen now, so that the drafter knows whether it will draft.
         next_depth = adaptive.choose_depth(accept_stats, active, depth_costs) if adaptive_depth else state.depth
         commit = Commit(

@@ -18,6 +18,7 @@ from specjax.drafters.draft_model import DraftModelDrafter
 from specjax.drafters.registry import MethodSpec
 from specjax.engine import Engine
 from specjax.models import llama
+from specjax.sampling import SamplingParams
 from specjax.tree import causal_mask
 
 CONFIG, PARAMS, PROMPTS, MAX_LEN = engine_tests.CONFIG, engine_tests.PARAMS, engine_tests.PROMPTS, engine_tests.MAX_LEN
@@ -52,6 +53,35 @@ def test_observe_counts_tried_positions_and_decays():
     idle = adaptive.observe(stats, jnp.array([0, 0, 0]), 0, jnp.ones(3, bool))  # a step without drafts
     np.testing.assert_allclose(idle, np.asarray(stats) * adaptive.IDLE_DECAY)
     assert float(adaptive.acceptance(jnp.zeros((1, 2)))[0]) == pytest.approx(0.5)  # the prior
+
+
+def test_drafting_must_beat_plain_decoding_by_the_margin():
+    costs, active = jnp.asarray([1.0, 1.2]), jnp.ones(1, bool)
+    assert 1.23 / 1.2 < adaptive.MARGIN < 1.3 / 1.2  # 0.23 would gain 2.5%, 0.3 gains 8%
+    assert int(adaptive.choose_depth(stats_for([0.23]), active, costs)) == 0
+    assert int(adaptive.choose_depth(stats_for([0.3]), active, costs)) == 1
+
+
+def test_a_depth_zero_step_counts_a_checked_guess_as_one_try():
+    stats = stats_for([0.2, 0.2, 0.2], weight=10.0)
+    active, guessed = jnp.array([True, True, False]), jnp.array([True, False, True])
+    new = adaptive.observe(stats, jnp.zeros(3, jnp.int32), 0, active, guessed, jnp.array([True, True, True]))
+    expected = np.asarray(stats) * [[adaptive.DECAY], [adaptive.IDLE_DECAY], [adaptive.DECAY]] + [[1, 1], [0, 0], [0, 0]]
+    np.testing.assert_allclose(new, expected, rtol=1e-6)
+    # Drafting steps ignore guesses.
+    drafted = adaptive.observe(stats, jnp.array([1, 1, 1]), 2, active, guessed, jnp.array([False] * 3))
+    np.testing.assert_allclose(drafted, adaptive.observe(stats, jnp.array([1, 1, 1]), 2, active))
+
+
+def test_right_guesses_bring_a_row_back_to_drafting_within_a_few_steps():
+    costs, active = jnp.asarray([1.0, 1.3, 1.6]), jnp.ones(1, bool)
+    def steps_to_resume(guessed):
+        stats = stats_for([0.05], weight=20.0)  # a row that stopped drafting
+        for step in range(1, 200):
+            stats = adaptive.observe(stats, jnp.zeros(1, jnp.int32), 0, active, jnp.array([guessed]), jnp.array([True]))
+            if int(adaptive.choose_depth(stats, active, costs)) > 0:
+                return step
+    assert steps_to_resume(True) <= 10 < 30 < steps_to_resume(False)
 
 
 def test_an_infinite_cost_rules_a_depth_out():
@@ -93,6 +123,29 @@ def test_the_engine_drafts_long_where_drafts_are_right_and_backs_off_where_wrong
     assert wrong.tokens == autoregressive and wrong.tau == 1.0
     assert 0 < wrong.drafting_share < 0.15
     np.testing.assert_array_equal(wrong.acceptance_by_position, 0.0)
+
+
+class GuessingOracle(OracleChain):
+    """An oracle whose first guess is its first draft, or a token it is not (`wrong`)."""
+
+    def __init__(self, num_draft, wrong=False):
+        super().__init__(num_draft)
+        self.wrong = wrong
+
+    def first_guess(self, params, state, ctx):
+        token = OracleChain(1).propose(params, state, None, ctx, None)[1].tokens[:, 1]
+        return (token + self.wrong) % CONFIG.vocab_size, ctx.active
+
+
+@pytest.mark.parametrize("drafter, low, high", [(GuessingOracle(3), 0.9, 1.0), (GuessingOracle(3, wrong=True), 0.0, 0.1),
+                                                (OracleChain(3), 0.5, 0.5)])
+def test_the_engine_checks_the_first_guess_at_depth_zero_steps(drafter, low, high):
+    plain = [1.0] + [np.inf] * 3  # every step at depth 0
+    engine = Engine(CONFIG, PARAMS, AdaptiveDepth(drafter, costs=plain), max_len=MAX_LEN)
+    state = engine.admit(engine.init_state(1), [0], PROMPTS[:1], 40)
+    state = engine.decode(state, SamplingParams.make(1), 30)
+    assert int(state.step) == 30
+    assert low <= float(adaptive.acceptance(state.accept_stats)[0]) <= high  # no guess: the prior alone
 
 
 def test_a_postponing_head_reads_what_it_queued_as_if_it_had_read_every_step():

@@ -12,7 +12,7 @@ from engine_helpers import eagle3_drafter, tiny_config, tiny_params
 from goodness_of_fit import chi_square_pvalue
 from specjax.drafters.base import StepContext
 from specjax.drafters.draft_model import DraftModelDrafter
-from specjax.drafters.ngram import lookup
+from specjax.drafters.ngram import NgramDrafter, lookup
 from specjax.drafters.ngram_first import NgramFirst
 from specjax.engine import Engine
 from specjax.sampling import SamplingParams
@@ -50,6 +50,12 @@ def test_rows_with_a_long_enough_match_take_the_lookup_chain():
     np.testing.assert_array_equal(tokens[1], np.asarray(head_proposal.tokens)[1])
     np.testing.assert_array_equal(proposal.tree.parents, head_proposal.tree.parents)
     np.testing.assert_array_equal(proposal.tree.depths, head_proposal.tree.depths)
+
+    # The first guess at a depth-0 step: the lookup's first draft where it matched, none elsewhere.
+    guess, guessed = drafter.first_guess(drafter.params, state, ctx)
+    assert list(np.asarray(guessed)) == [True, False] and int(guess[0]) == 13
+    plain_guess, plain_guessed = NgramDrafter(3, max_ngram=4).first_guess((), (), ctx)  # any match of 1 .. 4 tokens
+    assert list(np.asarray(plain_guessed)) == [True, True] and list(np.asarray(plain_guess)) == [13, 13]
 
     # Every live row matches (row 1 has finished): the lookup chain alone, the head's drafting skipped.
     ctx = ctx.replace(history=history.at[1].set(history[0]), active=jnp.array([True, False]))

@@ -192,6 +192,13 @@ class Drafter(abc.ABC):
         same params and state layout, for `NAME:auto`. Default: not possible."""
         raise ValueError(f"{type(self).__name__} cannot change its draft length per step (no :auto)")
 
+    def first_guess(self, params, state: DrafterState, ctx: StepContext) -> tuple[jax.Array, jax.Array] | None:
+        """The first token this drafter would propose below ctx.pending, found without running a
+        model: ([B] token, [B] bool: the row has a guess), or None (default: no guess is cheap).
+        At a depth-0 step an adaptive engine checks the guess against the token it samples, so a
+        row's acceptance estimate keeps learning while the row does not draft."""
+        return None
+
     def postponing(self, steps: int) -> Drafter:
         """This drafter, allowed to leave what was committed unread while no step drafts
         (`Commit.drafts_next` False) for up to `steps` steps, and to catch up in one wider read

@@ -62,6 +62,12 @@ class NgramDrafter(ChainDrafter):
         chain = tree_lib.chain(ctx.pending.shape[0], self.num_draft)
         return state, Proposal(tree=chain, tokens=tokens)
 
+    def first_guess(self, params, state, ctx: StepContext):
+        guess, matched = jax.vmap(lookup, in_axes=(0, 0, None, None, None))(
+            ctx.history, ctx.lengths, 1, self.max_ngram, self.min_ngram
+        )  # [B, 1], [B]
+        return guess[:, 0], matched > 0
+
 
 METHOD = Method(
     "ngram",

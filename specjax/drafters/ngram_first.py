@@ -41,6 +41,13 @@ class NgramFirst(Wrapper):
     def at_depth(self, depth: int) -> NgramFirst:
         return NgramFirst(self.inner.at_depth(depth), min_ngram=self.min_ngram, max_ngram=self.max_ngram)
 
+    def first_guess(self, params, state, ctx: StepContext):
+        """The lookup's first token where the suffix matches; the fallback's needs its forwards."""
+        guess, matched = jax.vmap(lookup, in_axes=(0, 0, None, None, None))(
+            ctx.history, ctx.lengths, 1, self.max_ngram, self.min_ngram
+        )  # [B, 1], [B]
+        return guess[:, 0], matched >= self.min_ngram
+
     def propose(self, params, state, key: jax.Array, ctx: StepContext, sampling: SamplingParams):
         batch, depth = ctx.pending.shape[0], self.max_depth
         looked_up, matched = jax.vmap(lookup, in_axes=(0, 0, None, None, None))(
