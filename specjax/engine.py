@@ -31,7 +31,7 @@ from specjax import tree as tree_lib
 from specjax import verify
 from specjax.drafters import adaptive
 from specjax.drafters.autoregressive import Autoregressive
-from specjax.drafters.base import Commit, Drafter, PrefillChunk, Proposal, StepContext
+from specjax.drafters.base import Commit, Drafter, PrefillChunk, Proposal, StepContext, zeros_like_result
 from specjax.models import llama
 from specjax.models.config import ModelConfig
 
@@ -232,13 +232,12 @@ class Engine:
     def _fixed_draft_and_verify(self, params, drafter_params, state: DecodeState, keys, ctx, sampling):
         """`_draft_and_verify` with the drafter itself, under a conditional on any row being active.
 
-        The loop only runs while some row is active, so `idle` never runs. The conditional
+        The loop only runs while some row is active, so the zeros branch never runs. The conditional
         confines the step's reads of the cache (the attention loops) to a branch: without it
         XLA:CPU copies the whole cache twice per step before writing it in place
         (docs/architecture.md, "Two XLA:CPU pitfalls"; `scripts/xla_cpu_pitfalls.py`)."""
         run = lambda: self._draft_and_verify(self.drafter, params, drafter_params, state, keys, ctx, sampling)
-        idle = lambda: jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), jax.eval_shape(run))
-        return jax.lax.cond(jnp.any(state.active), run, idle)
+        return jax.lax.cond(jnp.any(state.active), run, lambda: zeros_like_result(run))
 
     def _adaptive_draft_and_verify(self, params, drafter_params, state: DecodeState, keys, ctx, sampling, depth):
         """`_draft_and_verify` at `depth`: one `lax.switch` branch per depth, each returning only

@@ -17,6 +17,7 @@ import dataclasses
 from typing import Any, Callable, Literal
 
 import jax
+import jax.numpy as jnp
 from flax import struct
 
 from specjax.models.llama import Taps
@@ -118,6 +119,12 @@ class PrefillChunk:
     num_valid: jax.Array
     history: jax.Array
     features: jax.Array | None = None
+
+
+def zeros_like_result(fn: Callable[[], Any]) -> Any:
+    """Zeros shaped like what `fn` returns, without running it: the other branch of a
+    conditional whose outputs must match `fn`'s."""
+    return jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), jax.eval_shape(fn))
 
 
 class Drafter(abc.ABC):

@@ -32,7 +32,7 @@ from flax import struct
 
 from specjax import kv_cache as kv
 from specjax import sampling as sampling_lib
-from specjax.drafters.base import Commit, Drafter, PrefillChunk, Proposal, StepContext
+from specjax.drafters.base import Commit, Drafter, PrefillChunk, Proposal, StepContext, zeros_like_result
 from specjax.models.config import ModelConfig
 from specjax.models.llama import Taps
 from specjax.tree import Tree, ancestor_mask, causal_mask, chain, pool_size
@@ -225,7 +225,7 @@ class FeatureDrafter(Drafter):
                 return grow(k), grow(v), hidden
             return run
 
-        nothing = lambda: jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), jax.eval_shape(read(size)))
+        nothing = lambda: zeros_like_result(read(size))
         which = jnp.where(read_now, jnp.where(jnp.max(backlog.count) <= path_width, 1, 2), 0)
         k, v, hidden = jax.lax.switch(which, [nothing, read(min(path_width, size)), read(size)])
         count = jnp.where(read_now, backlog.count, 0)
