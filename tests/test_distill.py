@@ -62,11 +62,26 @@ def test_regenerates_every_turn_in_batches_and_resumes(tmp_path):
 def test_a_context_that_outgrows_the_prompt_limit_ends_the_conversation():
     tokenizer = word_tokenizer()
     engine = Engine(CONFIG, PARAMS, max_len=64)
-    conversations, _ = distill.regenerate_chunk(
+    [(index, conversation, _)] = distill.regenerate(
         engine, tokenizer, [RECORDS[1]["conversations"]], batch_size=1, max_prompt_tokens=8,
         max_new_tokens=MAX_NEW, temperature=0.0, seed=0,
     )
-    assert [m["role"] for m in conversations[0]] == ["user", "assistant"]  # the second turn no longer fits
+    assert index == 0 and [m["role"] for m in conversation] == ["user", "assistant"]  # the second turn no longer fits
+
+
+def test_a_sampled_turn_draws_from_its_own_seed_whatever_row_or_company_it_gets():
+    tokenizer = word_tokenizer()
+    conversations = [r["conversations"] for r in RECORDS] * 2
+    def run(batch_size):
+        engine = Engine(CONFIG, PARAMS, max_len=64)
+        results = distill.regenerate(
+            engine, tokenizer, conversations, batch_size=batch_size, max_prompt_tokens=32, max_new_tokens=MAX_NEW,
+            temperature=1.0, seed=5, first_index=10,
+        )
+        return {index: messages for index, messages, _ in results}
+    alone, shared = run(1), run(3)
+    assert sorted(alone) == list(range(10, 16)) and alone == shared
+    assert alone[10] != alone[13] or alone[11] != alone[14]  # the same inputs at other indices draw anew
 
 
 def test_resumes_past_a_conversation_whose_first_prompt_did_not_fit(tmp_path):

@@ -2,20 +2,24 @@
 
 EAGLE-3 drafts learn best on the target's own outputs (the distribution they are verified
 against), not on whatever model or human wrote the dataset. Each assistant turn is replaced by
-the target's greedy (or sampled) continuation of everything before it, turn by turn, batched
-through the specjax engine (plain autoregressive decoding, one compilation for the whole run).
+the target's greedy (or sampled) continuation of everything before it, turn by turn, through the
+specjax engine (plain autoregressive decoding, one compilation for the whole run) with continuous
+batching: a row whose turn ends takes the next turn at once instead of idling until the longest
+turn of its batch ends.
 
-Results are appended to a jsonl file a chunk at a time; rerunning with the same inputs resumes
-after the last chunk written.
+Results are appended to a jsonl file in input order; rerunning with the same inputs resumes
+after the last record written.
 """
 
 from __future__ import annotations
 
+import collections
 import json
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
+import numpy as np
 from tqdm import tqdm
 
 from specjax.engine import Engine
@@ -31,47 +35,77 @@ def prompt_ids(tokenizer, messages: Messages) -> list[int]:
     return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
 
 
-def regenerate_chunk(
+def regenerate(
     engine: Engine, tokenizer, conversations: list[Messages], *, batch_size: int, max_prompt_tokens: int,
-    max_new_tokens: int, temperature: float, seed: int,
-) -> tuple[list[Messages], int]:
-    """Regenerate every assistant turn of up to batch_size conversations, turn by turn.
+    max_new_tokens: int, temperature: float, seed: int, first_index: int = 0, admit_more=lambda: True,
+    steps_per_sync: int = 8,
+) -> Iterator[tuple[int, Messages, int]]:
+    """Regenerate every assistant turn of `conversations`, turn by turn, with continuous batching.
 
-    Returns the conversations and the number of tokens generated. A conversation whose context
-    outgrows max_prompt_tokens ends before that turn (so it may be left with no assistant turn, and
-    then keeps its user turns).
+    Yields (index, messages, tokens generated) as each conversation completes, in any order.
+    `batch_size` engine rows stay busy: when a row's turn ends (EOS or max_new_tokens), that
+    conversation's next assistant turn, else the next conversation, is prefilled into the row,
+    so no row idles while the longest turn of a batch finishes. Turn `t` of conversation
+    `first_index + i` samples from its own seed, whatever row or company it gets. A conversation
+    whose context outgrows max_prompt_tokens ends before that turn (it may be left with no
+    assistant turn and then keeps its user turns). New conversations start only while
+    admit_more() is true; those started are finished.
     """
-    if len(conversations) > batch_size:
-        raise ValueError(f"{len(conversations)} conversations for a batch of {batch_size}")
     eos = set(engine.eos_ids)
-    pending = [list(c) for c in conversations]
-    generated = 0
-    for turn in range(max(len(c) for c in conversations)):
-        rows, prompts = [], []
-        for i, messages in enumerate(pending):
-            if turn < len(messages) and messages[turn]["role"] == "assistant":
-                ids = prompt_ids(tokenizer, messages[:turn])
-                if len(ids) > max_prompt_tokens:
-                    del messages[turn:]  # the context no longer fits: the conversation ends here
+    pending = [[dict(m) for m in c] for c in conversations]
+    next_turn, generated = [0] * len(pending), [0] * len(pending)
+    fresh = collections.deque(range(len(pending)))  # conversations not started
+    ready: collections.deque[int] = collections.deque()  # started, between turns
+    rows: list[int | None] = [None] * batch_size  # the conversation each engine row is generating for
+    state = engine.init_state(batch_size)
+    sampling = SamplingParams.make(batch_size, temperature=temperature)
+
+    def next_prompt(i: int) -> list[int] | None:
+        """The prompt of conversation i's next assistant turn (None: it has none that fits)."""
+        messages = pending[i]
+        turn = next((t for t in range(next_turn[i], len(messages)) if messages[t]["role"] == "assistant"), None)
+        if turn is None:
+            return None
+        ids = prompt_ids(tokenizer, messages[:turn])
+        if len(ids) > max_prompt_tokens:
+            del messages[turn:]  # the context no longer fits: the conversation ends here
+            return None
+        next_turn[i] = turn
+        return ids
+
+    while True:
+        for row in [r for r, i in enumerate(rows) if i is None]:
+            while ready or (fresh and admit_more()):
+                i = ready.popleft() if ready else fresh.popleft()
+                ids = next_prompt(i)
+                if ids is None:
+                    yield first_index + i, _trimmed(pending[i]), generated[i]
                     continue
-                rows.append(i)
-                prompts.append(ids)
-        if not rows:
+                turn_seed = int(np.random.SeedSequence([seed, first_index + i, next_turn[i]]).generate_state(1)[0])
+                state = engine.admit(state, [row], [ids], max_new_tokens, seed=turn_seed)
+                rows[row] = i
+                break
+        if all(i is None for i in rows):
+            return
+        state = engine.decode(state, sampling, steps_per_sync)
+        active = np.asarray(state.active)
+        if all(active[r] for r, i in enumerate(rows) if i is not None):
             continue
-        # A fixed batch size (one compilation); padding rows stop after one token.
-        padded = prompts + [prompts[0]] * (batch_size - len(prompts))
-        limits = [max_new_tokens] * len(prompts) + [1] * (batch_size - len(prompts))
-        sampling = SamplingParams.make(batch_size, temperature=temperature)
-        outputs = engine.generate(padded, sampling, max_new_tokens=limits, seed=seed + turn).tokens
-        for i, tokens in zip(rows, outputs):
-            response = [t for t in tokens if t not in eos]  # generation stops at the first EOS
-            generated += len(response)
-            pending[i][turn] = {"role": "assistant", "content": tokenizer.decode(response)}
-    trimmed = []  # nothing after the last assistant turn; one with none keeps its input (resume checks it)
-    for messages in pending:
-        last_assistant = max((t for t, m in enumerate(messages) if m["role"] == "assistant"), default=-1)
-        trimmed.append(messages[: last_assistant + 1] if last_assistant >= 0 else messages)
-    return trimmed, generated
+        outputs = engine.outputs(state)
+        for row, i in enumerate(rows):
+            if i is not None and not active[row]:
+                response = [t for t in outputs[row] if t not in eos]  # generation stops at the first EOS
+                generated[i] += len(response)
+                pending[i][next_turn[i]] = {"role": "assistant", "content": tokenizer.decode(response)}
+                next_turn[i] += 1
+                ready.appendleft(i)  # its next turn first: conversations finish, and are written, early
+                rows[row] = None
+
+
+def _trimmed(messages: Messages) -> Messages:
+    """Nothing after the last assistant turn; one with none keeps its input (resume checks it)."""
+    last_assistant = max((t for t, m in enumerate(messages) if m["role"] == "assistant"), default=-1)
+    return messages[: last_assistant + 1] if last_assistant >= 0 else messages
 
 
 def regenerate_to_file(
@@ -81,9 +115,11 @@ def regenerate_to_file(
 ) -> int:
     """Regenerate `records` ({"conversations": messages, ...}) into the jsonl file at `path`.
 
-    Resumes after the records already in the file (which must be the same inputs: the first
-    user turn of each is checked). Returns the number of records written so far; less than
-    len(records) only when the time budget ran out.
+    Records are written in input order as soon as every earlier one is (a stop loses at most the
+    conversations in flight). Resumes after the records already in the file (which must be the
+    same inputs: the first user turn of each is checked). Returns the number of records written
+    so far; less than len(records) only when the time budget ran out (no conversation starts
+    after it; those started are finished).
     """
     path.parent.mkdir(parents=True, exist_ok=True)
     written = path.read_text().splitlines() if path.exists() else []
@@ -98,22 +134,22 @@ def regenerate_to_file(
     eos_ids = tuple(dict.fromkeys(target_config.eos_token_ids + ((tokenizer.eos_token_id,) if tokenizer.eos_token_id is not None else ())))
     engine = Engine(target_config, target_params, max_len=max_len, attention_chunk=64, eos_ids=eos_ids)
     start, generated, done = time.time(), 0, len(written)
-    progress = tqdm(total=len(records), initial=len(written), unit="conv", desc="self-distill", dynamic_ncols=True)
+    todo = records[done:]
+    finished: dict[int, Messages] = {}  # completed out of order, waiting for the ones before them
+    progress = tqdm(total=len(records), initial=done, unit="conv", desc="self-distill", dynamic_ncols=True)
     with path.open("a") as file:
-        for first in range(len(written), len(records), batch_size):
-            if time.time() - start > time_budget_s:
-                break
-            chunk = records[first : first + batch_size]
-            results, tokens = regenerate_chunk(
-                engine, tokenizer, [r["conversations"] for r in chunk], batch_size=batch_size,
-                max_prompt_tokens=max_prompt_tokens, max_new_tokens=max_new_tokens, temperature=temperature, seed=seed + first,
-            )
-            for record, messages in zip(chunk, results):
-                file.write(json.dumps({**record, "conversations": messages}) + "\n")
-            file.flush()
-            done += len(chunk)
+        for index, messages, tokens in regenerate(
+            engine, tokenizer, [r["conversations"] for r in todo], batch_size=batch_size,
+            max_prompt_tokens=max_prompt_tokens, max_new_tokens=max_new_tokens, temperature=temperature, seed=seed,
+            first_index=done, admit_more=lambda: time.time() - start <= time_budget_s,
+        ):
+            finished[index] = messages
             generated += tokens
-            progress.update(len(chunk))
+            while done in finished:
+                file.write(json.dumps({**records[done], "conversations": finished.pop(done)}) + "\n")
+                done += 1
+            file.flush()
+            progress.update(done - progress.n)
             progress.set_postfix(tok_s=f"{generated / (time.time() - start):.0f}")
     progress.close()
     return done
