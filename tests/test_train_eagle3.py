@@ -112,6 +112,29 @@ def test_ttt_loss_matches_a_per_position_reference():
     np.testing.assert_allclose(ttt.acceptance_length(jnp.array([0.5, 0.5, 0.0])), 1.75)
 
 
+def test_the_blockwise_head_loss_has_the_dense_loss_and_gradient():
+    """Blocks of 4 positions sorted loss-first (skipping those with none) == the head over every position."""
+    params = eagle3.init_params(DRAFT, jax.random.key(3))
+    hidden = jax.random.normal(jax.random.key(4), (2, 10, 32))
+    target_logits = 3 * jax.random.normal(jax.random.key(5), (2, 10, 24))
+    weight = (jnp.arange(10)[None, :] < jnp.array([[4], [8]])) & (jnp.arange(10)[None, :] >= 2)  # 8 of 20 positions
+    def dense(params):
+        logits = eagle3.head_logits(params, DRAFT, hidden)
+        target = ttt.shift_left(target_logits, 2)
+        cross_entropy = -jnp.sum(jax.nn.softmax(target) * jax.nn.log_softmax(logits), -1)
+        agree = weight & (jnp.argmax(logits, -1) == jnp.argmax(target, -1))
+        return jnp.sum(jnp.where(weight, cross_entropy, 0.0)), jnp.sum(agree)
+    blockwise = lambda params: ttt.masked_head_loss(params, DRAFT, hidden, target_logits, weight, offset=2, block=4)
+    (want, want_agree), (got, got_agree) = dense(params), jax.jit(blockwise)(params)
+    np.testing.assert_allclose(got, want, rtol=1e-5)
+    assert int(got_agree) == int(want_agree)
+    want_grad = jax.grad(lambda p: dense(p)[0])(params)
+    got_grad = jax.jit(jax.grad(lambda p: blockwise(p)[0]))(params)
+    for name in ("lm_head", "norm"):
+        assert np.abs(np.asarray(want_grad[name])).max() > 0
+        np.testing.assert_allclose(got_grad[name], want_grad[name], rtol=1e-4, atol=1e-6)
+
+
 def test_draft_vocab_is_most_frequent_response_tokens_sorted():
     rows = data.TokenRows(
         tokens=np.array([[9, 5, 5, 7, 7, 7, 1], [9, 9, 9, 9, 2, 3, 0]], np.int32),

@@ -10,7 +10,9 @@ Attention at step k: causal over the step-0 keys (u <= t), plus the key that eac
 
 Loss per step: soft cross-entropy against the target distribution restricted to the draft
 vocabulary, averaged over positions whose predicted token is a response token and whose target
-argmax is in the draft vocabulary; total = sum_k decay^k loss_k.
+argmax is in the draft vocabulary; total = sum_k decay^k loss_k. The draft's LM head runs only
+on blocks of positions that are in the loss (`masked_head_loss`): on chat data most positions of
+a row are prompt, and the head is most of the step's work.
 acc_k: fraction of response positions where draft argmax == target argmax (target argmax outside
 the draft vocabulary counts as a miss), so prod_{i<=k} acc_i estimates greedy acceptance.
 """
@@ -54,14 +56,14 @@ def ttt_attention(
     return out.reshape(batch, length, num_heads, dim).astype(q.dtype)
 
 
-def ttt_logits(
+def ttt_hidden(
     params: eagle3.Params,
     config: eagle3.Eagle3Config,
     embeddings: jax.Array,
     features: jax.Array,
     num_steps: int,
 ) -> list[jax.Array]:
-    """Draft logits of every TTT step: num_steps arrays [B, T, Vd] float32.
+    """The draft's output h_out of every TTT step (before its LM head): num_steps arrays [B, T, H].
 
     embeddings: [B, T, H] target embeddings of the tokens x_0..x_{T-1}.
     features:   [B, T, 3H] target features f_0..f_{T-1}.
@@ -69,7 +71,7 @@ def ttt_logits(
     batch, length, _ = embeddings.shape
     hidden = eagle3.project_features(params, features)  # [B, T, H]
     positions = jnp.broadcast_to(jnp.arange(length), (batch, length))
-    k_diag, v_diag, all_logits = [], [], []
+    k_diag, v_diag, outputs = [], [], []
     for step in range(num_steps):
         inputs = shift_left(embeddings, 1 + step)  # [B, T, H] embed(x_{t+1+k})
         q, k, v = eagle3.midlayer_qkv(params, config, inputs, hidden, positions + step)
@@ -79,9 +81,61 @@ def ttt_logits(
             k_diag.append(k)
             v_diag.append(v)
         attention = ttt_attention(q, k0, v0, k_diag, v_diag)
-        logits, hidden = eagle3.midlayer_output(params, config, hidden, attention)
-        all_logits.append(logits)
-    return all_logits
+        hidden = eagle3.midlayer_hidden(params, config, hidden, attention)
+        outputs.append(hidden)
+    return outputs
+
+
+def ttt_logits(params, config, embeddings, features, num_steps: int) -> list[jax.Array]:
+    """Draft logits of every TTT step: num_steps arrays [B, T, Vd] float32 (see `ttt_hidden`)."""
+    return [eagle3.head_logits(params, config, h) for h in ttt_hidden(params, config, embeddings, features, num_steps)]
+
+
+#: Positions per block of the draft's LM head in the loss (`masked_head_loss`).
+HEAD_BLOCK = 256
+
+
+def masked_head_loss(
+    params: eagle3.Params,
+    config: eagle3.Eagle3Config,
+    hidden: jax.Array,
+    target_logits: jax.Array,
+    weight: jax.Array,
+    offset: int,
+    block: int = HEAD_BLOCK,
+) -> tuple[jax.Array, jax.Array]:
+    """Soft cross-entropy summed, and argmax agreements counted, over the positions where weight holds.
+
+    hidden [B, T, H] draft outputs; target_logits [B, T, Vd]; weight [B, T] bool. Position (b, t)
+    is scored against target_logits[b, t + offset] (weight must be False where t + offset >= T).
+    The LM head and the softmaxes run block by block over the positions sorted loss-first, and a
+    block holding none of them is skipped (`lax.cond`, gradients included): their cost follows the
+    positions in the loss, not B * T. Returns (f32 sum of cross-entropies, int32 agreements).
+    """
+    batch, length, width = hidden.shape
+    flat = batch * length
+    block = min(block, flat)
+    num_blocks = -(-flat // block)
+    padding = num_blocks * block - flat
+    order = jnp.argsort(~weight.reshape(flat), stable=True)  # [B * T] loss positions first
+    in_loss = jnp.pad(weight.reshape(flat)[order], (0, padding)).reshape(num_blocks, block)
+    order = jnp.pad(order, (0, padding)).reshape(num_blocks, block)
+    hidden, target_logits = hidden.reshape(flat, width), target_logits.reshape(flat, -1)
+
+    def scored(index, in_block):
+        logits = eagle3.head_logits(params, config, hidden[index])  # [block, Vd]
+        target = target_logits[jnp.minimum(index + offset, flat - 1)].astype(jnp.float32)  # [block, Vd]
+        cross_entropy = -jnp.sum(jax.nn.softmax(target) * jax.nn.log_softmax(logits), axis=-1)  # [block]
+        agree = in_block & (jnp.argmax(logits, -1) == jnp.argmax(target, -1))
+        return jnp.sum(jnp.where(in_block, cross_entropy, 0.0)), jnp.sum(agree, dtype=jnp.int32)
+
+    def one_block(_, xs):
+        index, in_block = xs
+        skipped = lambda: (jnp.zeros((), jnp.float32), jnp.zeros((), jnp.int32))
+        return None, jax.lax.cond(jnp.any(in_block), lambda: scored(index, in_block), skipped)
+
+    _, (cross_entropy, agree) = jax.lax.scan(one_block, None, (order, in_loss))
+    return jnp.sum(cross_entropy), jnp.sum(agree)
 
 
 def ttt_loss(
@@ -107,20 +161,17 @@ def ttt_loss(
     """
     stats = {name: [] for name in ("loss", "loss_sum", "correct", "weight", "response")}
     total = 0.0
-    for step, logits in enumerate(ttt_logits(params, config, embeddings, features, num_steps)):
-        target = shift_left(target_logits, 1 + step).astype(jnp.float32)  # [B, T, Vd]
+    for step, hidden in enumerate(ttt_hidden(params, config, embeddings, features, num_steps)):
         response = shift_left(loss_mask, 2 + step)  # [B, T] predicted token is a response token
         weight = response & shift_left(in_vocab, 1 + step)
-        cross_entropy = -jnp.sum(jax.nn.softmax(target) * jax.nn.log_softmax(logits), axis=-1)  # [B, T]
-        loss_sum = jnp.sum(jnp.where(weight, cross_entropy, 0.0))
+        loss_sum, correct = masked_head_loss(params, config, hidden, target_logits, weight, offset=1 + step)
         count = jnp.sum(weight)
         step_loss = loss_sum / jnp.maximum(count, 1)
         total = total + decay**step * step_loss
-        correct = weight & (jnp.argmax(logits, -1) == jnp.argmax(target, -1))
         for name, value in [
             ("loss", step_loss),
             ("loss_sum", loss_sum),
-            ("correct", jnp.sum(correct)),
+            ("correct", correct),
             ("weight", count),
             ("response", jnp.sum(response)),
         ]:

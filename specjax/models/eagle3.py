@@ -175,6 +175,12 @@ def midlayer_output(
     params: Params, config: Eagle3Config, hidden: jax.Array, attention_out: jax.Array
 ) -> tuple[jax.Array, jax.Array]:
     """From h [B, T, H] and attention output [B, T, Hq, D]: (logits [B, T, Vd] f32, h_out [B, T, H])."""
+    hidden = midlayer_hidden(params, config, hidden, attention_out)
+    return head_logits(params, config, hidden), hidden
+
+
+def midlayer_hidden(params: Params, config: Eagle3Config, hidden: jax.Array, attention_out: jax.Array) -> jax.Array:
+    """From h [B, T, H] and attention output [B, T, Hq, D]: h_out [B, T, H] (o_proj, residual, MLP)."""
     batch, length, _ = hidden.shape
     dtype = params["o_proj"].dtype
     residual = hidden.astype(dtype)
@@ -182,8 +188,7 @@ def midlayer_output(
         residual = rms_norm(residual, params["hidden_norm"], config.rms_norm_eps)
     hidden = residual + attention_out.reshape(batch, length, -1).astype(dtype) @ params["o_proj"]
     x = rms_norm(hidden, params["post_attention_layernorm"], config.rms_norm_eps)
-    hidden = hidden + (jax.nn.silu(x @ params["gate_proj"]) * (x @ params["up_proj"])) @ params["down_proj"]
-    return head_logits(params, config, hidden), hidden
+    return hidden + (jax.nn.silu(x @ params["gate_proj"]) * (x @ params["up_proj"])) @ params["down_proj"]
 
 
 def head_logits(params: Params, config: Eagle3Config, hidden: jax.Array) -> jax.Array:
