@@ -1,0 +1,152 @@
+"""Training-pipeline throughput against an earlier revision's code, side by side in one process (warm).
+
+    python scripts/training_throughput.py distill --baseline ffdb866   # chunked vs continuous batching
+    python scripts/training_throughput.py ttt --baseline ffdb866       # LM head everywhere vs loss blocks
+
+distill: self-distillation of ShareGPT conversations (max 4 turns) with SmolLM2, greedy, on one
+engine: the baseline's `regenerate_chunk` (every turn of a batch waits for its longest row) against
+`train.distill.regenerate` (continuous batching); also checks that both wrote the same conversations.
+ttt: one EAGLE-3 TTT step (loss, gradient, AdamW) on packed ShareGPT rows with the target's real
+features and logits: the baseline's `ttt_loss` against `train.ttt.ttt_loss`, f32, and the latter in bf16.
+The baseline modules are read with `git show REV:train/...` (run inside the repository).
+"""
+
+import argparse
+import importlib.util
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+from specjax import checkpoints  # noqa: E402
+from specjax.engine import Engine  # noqa: E402
+from specjax.models import eagle3, llama  # noqa: E402
+from train import data, distill, eagle3_method, sharegpt, ttt  # noqa: E402
+
+
+def baseline_module(revision: str, path: str):
+    source = subprocess.run(["git", "show", f"{revision}:{path}"], cwd=REPO, check=True, capture_output=True, text=True).stdout
+    file = Path(tempfile.mkdtemp()) / Path(path).name
+    file.write_text(source)
+    spec = importlib.util.spec_from_file_location(f"baseline_{file.stem}", file)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def interleaved(variants: dict, repeats: int) -> dict:
+    """{name: [seconds, ...]} over `repeats` rounds of one call of each variant."""
+    times = {name: [] for name in variants}
+    for _ in range(repeats):
+        for name, run in variants.items():
+            start = time.perf_counter()
+            run()
+            times[name].append(time.perf_counter() - start)
+    return times
+
+
+def measure_distill(args, config, params, tokenizer):
+    chunked = baseline_module(args.baseline, "train/distill.py")
+    conversations = sharegpt.load(sharegpt.source_path("sharegpt"), max_turns=4, max_records=400).train[: args.conversations]
+    eos = tuple(dict.fromkeys(config.eos_token_ids + ((tokenizer.eos_token_id,) if tokenizer.eos_token_id is not None else ())))
+    max_prompt = 512
+    engine = Engine(config, params, max_len=-(-(max_prompt + args.max_new_tokens + 1) // 64) * 64, attention_chunk=64, eos_ids=eos)
+    settings = dict(batch_size=args.batch_size, max_prompt_tokens=max_prompt, max_new_tokens=args.max_new_tokens, temperature=0.0, seed=0)
+    results = {}
+
+    def run_chunked(items=conversations):
+        out, tokens = [], 0
+        for first in range(0, len(items), args.batch_size):
+            chunk, generated = chunked.regenerate_chunk(engine, tokenizer, items[first : first + args.batch_size], **settings)
+            out, tokens = out + chunk, tokens + generated
+        results["chunked"] = out, tokens
+
+    def run_continuous(items=conversations):
+        done = sorted(distill.regenerate(engine, tokenizer, items, **settings))
+        results["continuous"] = [m for _, m, _ in done], sum(t for _, _, t in done)
+
+    for run in (run_chunked, run_continuous):
+        run(conversations[:2])  # compile
+    times = interleaved({"chunked": run_chunked, "continuous": run_continuous}, args.repeats)
+    same = sum(a == b for a, b in zip(results["chunked"][0], results["continuous"][0]))
+    print(f"{len(conversations)} ShareGPT conversations (max 4 turns), batch {args.batch_size}, "
+          f"max_new_tokens {args.max_new_tokens}, SmolLM2 float32, greedy; identical conversations {same}/{len(conversations)}")
+    return {name: results[name][1] / np.array(seconds) for name, seconds in times.items()}
+
+
+def measure_ttt(args, config, params, tokenizer):
+    dense = baseline_module(args.baseline, "train/ttt.py")
+    batch, length, draft_vocab = 8, args.seq_len, 8192
+    conversations = sharegpt.load(sharegpt.source_path("sharegpt"), max_turns=4, max_records=300).train[:200]
+    rows = data.to_rows([data.tokenize_conversation(tokenizer, c) for c in conversations], length, pack=True)
+    vocab_ids = data.draft_vocab_ids(rows, draft_vocab, config.vocab_size)
+    vocab = eagle3.DraftVocab.from_target_ids(jnp.asarray(vocab_ids), config.vocab_size)
+    draft = eagle3.Eagle3Config.from_target(config, draft_vocab)
+    head = eagle3.init_params(draft, jax.random.key(0))
+    target_outputs = jax.jit(eagle3_method.target_outputs, static_argnums=1)
+    batches = []
+    for i in range(3):
+        tokens, mask = (jnp.asarray(a[i * batch : (i + 1) * batch]) for a in (rows.tokens, rows.loss_mask))
+        batches.append(dict(embeddings=llama.embed(params, tokens), mask=mask, **target_outputs(params, config, tokens, vocab)))
+    in_loss = np.mean([float((ttt.shift_left(b["mask"], 2) & ttt.shift_left(b["in_vocab"], 1)).mean()) for b in batches])
+    optimizer = optax.adamw(1e-4)
+
+    def make_step(module, dtype):
+        def loss(p, b):
+            p = jax.tree.map(lambda x: x.astype(dtype), p)
+            return module.ttt_loss(p, draft, b["embeddings"].astype(dtype), b["features"].astype(dtype), b["target_logits"],
+                                   b["in_vocab"], b["mask"], num_steps=5, decay=0.8)
+
+        @jax.jit
+        def step(p, opt_state, b):
+            (total, _), grads = jax.value_and_grad(loss, has_aux=True)(p, b)
+            updates, opt_state = optimizer.update(grads, opt_state, p)
+            return optax.apply_updates(p, updates), opt_state, total
+
+        def run():
+            p, opt_state = head, optimizer.init(head)
+            for b in batches:
+                p, opt_state, total = step(p, opt_state, b)
+            jax.block_until_ready(total)
+        return run
+
+    variants = {"baseline f32": make_step(dense, jnp.float32), "blockwise f32": make_step(ttt, jnp.float32),
+                "blockwise bf16": make_step(ttt, jnp.bfloat16)}
+    for run in variants.values():
+        run()  # compile
+    times = interleaved(variants, args.repeats)
+    print(f"TTT step, batch {batch} x {length} packed ShareGPT rows (response share {rows.loss_mask.mean():.2f}, "
+          f"{in_loss:.2f} of positions in the step-0 loss), draft vocabulary {draft_vocab}, 5 steps")
+    return {name: batch * length * len(batches) / np.array(seconds) for name, seconds in times.items()}
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("what", choices=["distill", "ttt"])
+    parser.add_argument("--baseline", default="ffdb866", help="git revision whose code is the baseline")
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--conversations", type=int, default=32)
+    parser.add_argument("--batch-size", type=int, default=16)
+    parser.add_argument("--max-new-tokens", type=int, default=192)
+    parser.add_argument("--seq-len", type=int, default=512)
+    args = parser.parse_args()
+    path = checkpoints.default_model_path()
+    config, params = checkpoints.load_model(path, np.float32)
+    tokenizer = data.load_tokenizer(str(path))
+    rates = (measure_distill if args.what == "distill" else measure_ttt)(args, config, params, tokenizer)
+    base = np.median(next(iter(rates.values())))
+    for name, per_repeat in rates.items():
+        print(f"{name:15s} tokens/s {' '.join(f'{r:7.1f}' for r in per_repeat)}  median {np.median(per_repeat):7.1f}  "
+              f"ratio {np.median(per_repeat) / base:.2f}x")
+
+
+if __name__ == "__main__":
+    main()
