@@ -44,6 +44,11 @@ def lookup(
     return jnp.where(best_end >= 0, history[indices], history[last]), best_size
 
 
+def lookup_rows(ctx: StepContext, num_draft: int, max_ngram: int, min_ngram: int) -> tuple[jax.Array, jax.Array]:
+    """`lookup` for every row of the batch: ([B, num_draft] proposed tokens, [B] matched suffix size)."""
+    return jax.vmap(lookup, in_axes=(0, 0, None, None, None))(ctx.history, ctx.lengths, num_draft, max_ngram, min_ngram)
+
+
 class NgramDrafter(ChainDrafter):
     """Chain of `num_draft` tokens from prompt lookup."""
 
@@ -55,17 +60,13 @@ class NgramDrafter(ChainDrafter):
         self.max_ngram, self.min_ngram = max_ngram, min_ngram
 
     def propose(self, params, state, key, ctx: StepContext, sampling: SamplingParams):
-        drafts, _ = jax.vmap(lookup, in_axes=(0, 0, None, None, None))(
-            ctx.history, ctx.lengths, self.num_draft, self.max_ngram, self.min_ngram
-        )  # [B, N]
+        drafts, _ = lookup_rows(ctx, self.num_draft, self.max_ngram, self.min_ngram)  # [B, N]
         tokens = jnp.concatenate([ctx.pending[:, None], drafts], axis=1)  # [B, N + 1]
         chain = tree_lib.chain(ctx.pending.shape[0], self.num_draft)
         return state, Proposal(tree=chain, tokens=tokens)
 
     def first_guess(self, params, state, ctx: StepContext):
-        guess, matched = jax.vmap(lookup, in_axes=(0, 0, None, None, None))(
-            ctx.history, ctx.lengths, 1, self.max_ngram, self.min_ngram
-        )  # [B, 1], [B]
+        guess, matched = lookup_rows(ctx, 1, self.max_ngram, self.min_ngram)  # [B, 1], [B]
         return guess[:, 0], matched > 0
 
 

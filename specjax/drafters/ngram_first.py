@@ -22,7 +22,7 @@ import jax.numpy as jnp
 from specjax import tree as tree_lib
 from specjax.drafters import eagle3
 from specjax.drafters.base import Drafter, Method, Wrapper, Priors, Proposal, StepContext
-from specjax.drafters.ngram import lookup
+from specjax.drafters.ngram import lookup_rows
 from specjax.sampling import SamplingParams
 
 
@@ -43,16 +43,12 @@ class NgramFirst(Wrapper):
 
     def first_guess(self, params, state, ctx: StepContext):
         """The lookup's first token where the suffix matches; the fallback's needs its forwards."""
-        guess, matched = jax.vmap(lookup, in_axes=(0, 0, None, None, None))(
-            ctx.history, ctx.lengths, 1, self.max_ngram, self.min_ngram
-        )  # [B, 1], [B]
-        return guess[:, 0], matched >= self.min_ngram
+        guess, matched = lookup_rows(ctx, 1, self.max_ngram, self.min_ngram)  # [B, 1], [B]
+        return guess[:, 0], matched > 0  # a match is at least min_ngram long
 
     def propose(self, params, state, key: jax.Array, ctx: StepContext, sampling: SamplingParams):
         batch, depth = ctx.pending.shape[0], self.max_depth
-        looked_up, matched = jax.vmap(lookup, in_axes=(0, 0, None, None, None))(
-            ctx.history, ctx.lengths, depth, self.max_ngram, self.min_ngram
-        )  # [B, D], [B]
+        looked_up, matched = lookup_rows(ctx, depth, self.max_ngram, self.min_ngram)  # [B, D], [B]
         use_lookup = matched >= self.min_ngram  # [B]
         probe = jax.eval_shape(lambda: self.inner.propose(params, state, key, ctx, sampling)[1])
         sampled = probe.rule == "rejection"
