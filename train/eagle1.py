@@ -2,7 +2,7 @@
 
     python -m train.eagle1 --config configs/eagle1_smollm2.yaml [--key value ...] [--overwrite]
 
-Same core as train.eagle3 (data, self-distillation, offline target features, optimizer, orbax
+Same core as train.eagle3 (data, self-distillation, offline target features, optimizer, verified
 checkpoints with exact resume, engine tau, metrics): rerunning the command resumes. The loss is
 smooth-L1 on the features plus eagle1_cls_weight times the cross-entropy through the frozen LM
 head (train/eagle1_method.py). At the end the draft is evaluated on the held-out rows and

@@ -3,7 +3,7 @@ target's last hidden state.
 
     python -m train.medusa --config configs/medusa_smollm2.yaml [--key value ...] [--overwrite]
 
-Same core as train.eagle3 (data, self-distillation, offline target outputs, optimizer, orbax
+Same core as train.eagle3 (data, self-distillation, offline target outputs, optimizer, verified
 checkpoints with exact resume, engine tau, metrics): rerunning the command resumes. At the end
 the heads are evaluated on the held-out rows (per-head loss, accuracy and rank hit rates) and
 exported in vLLM's Medusa layout.

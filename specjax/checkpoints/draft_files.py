@@ -70,9 +70,18 @@ def read_safetensors(path: str | Path) -> dict[str, np.ndarray]:
     return tensors
 
 
-def write_safetensors(path: str | Path, tensors: dict[str, np.ndarray]) -> None:
-    """Write numpy arrays (any dtype in the safetensors table, bfloat16 included)."""
-    header, offset, blobs = {}, 0, []
+def read_safetensors_metadata(path: str | Path) -> dict[str, str]:
+    """The `__metadata__` strings of a .safetensors file's header ({} if it has none)."""
+    check_safetensors(Path(path))
+    with open(path, "rb") as file:
+        (header_size,) = binary.unpack("<Q", file.read(8))
+        return json.loads(file.read(header_size)).get("__metadata__", {})
+
+
+def write_safetensors(path: str | Path, tensors: dict[str, np.ndarray], metadata: dict[str, str] | None = None) -> None:
+    """Write numpy arrays (any dtype in the safetensors table, bfloat16 included) and optional
+    `__metadata__` strings."""
+    header, offset, blobs = ({"__metadata__": metadata} if metadata else {}), 0, []
     for name, array in tensors.items():
         blob = np.ascontiguousarray(array).tobytes()
         header[name] = {
