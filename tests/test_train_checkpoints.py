@@ -34,6 +34,7 @@ def test_an_unfinished_save_is_not_a_step(tmp_path):
     store.save(1, _state())
     (tmp_path / "2.partial").mkdir()  # a save the process did not finish
     assert store.steps() == [1]
+    assert CheckpointStore(tmp_path, keep=2).steps() == [1] and not (tmp_path / "2.partial").exists()  # cleared on open
 
 
 def test_a_changed_byte_fails_the_digest(tmp_path):

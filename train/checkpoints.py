@@ -41,6 +41,8 @@ class CheckpointStore:
             raise ValueError(f"keep must be >= 1, got {keep}")
         self.directory, self.keep = Path(directory).resolve(), keep
         self.directory.mkdir(parents=True, exist_ok=True)
+        for unfinished in self.directory.glob("*.partial"):  # a save the last process did not finish
+            shutil.rmtree(unfinished)
 
     def steps(self) -> list[int]:
         """The saved updates, oldest first (unfinished `.partial` saves are not steps)."""
