@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import dataclasses
 import time
+import warnings
+from pathlib import Path
 from typing import Callable, Sequence
 
 import jax
@@ -34,6 +36,34 @@ from specjax.drafters.autoregressive import Autoregressive
 from specjax.drafters.base import Commit, Drafter, PrefillChunk, Proposal, StepContext, zeros_like_result
 from specjax.models import llama
 from specjax.models.config import ModelConfig
+
+
+#: Warn when a process holds this share of the memory maps Linux allows it.
+MEMORY_MAPS_WARNING = 0.75
+
+
+def memory_maps() -> tuple[int, int] | None:
+    """(memory maps this process holds, the kernel's cap vm.max_map_count), or None off Linux.
+
+    Every compiled executable keeps its kernels in maps (an adaptive SmolLM2 engine adds some
+    4-6k per batch size on XLA:CPU), and a compilation past the cap crashes the process."""
+    try:
+        held = sum(1 for _ in open("/proc/self/maps"))
+        return held, int(Path("/proc/sys/vm/max_map_count").read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def _warn_if_short_of_memory_maps() -> None:
+    usage = memory_maps()
+    if usage and usage[0] > MEMORY_MAPS_WARNING * usage[1]:
+        warnings.warn(
+            f"this process holds {usage[0]} of the {usage[1]} memory maps Linux allows it (vm.max_map_count); "
+            "every compiled engine adds thousands and a compilation past the cap crashes the process: drop "
+            "engines no longer used and call jax.clear_caches(), or raise vm.max_map_count",
+            ResourceWarning,
+            stacklevel=3,
+        )
 
 
 @struct.dataclass
@@ -109,6 +139,7 @@ class Engine:
         attention_chunk: int = 256,
         eos_ids: tuple[int, ...] | None = None,
     ):
+        _warn_if_short_of_memory_maps()  # before this engine compiles anything
         self.drafter = drafter or Autoregressive()
         self.drafter.check_target(config)
         self.config, self.params = config, params

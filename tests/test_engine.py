@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import warnings
 
 import jax.numpy as jnp
 import numpy as np
@@ -10,7 +11,8 @@ import pytest
 
 from engine_helpers import all_drafters, eagle3_drafter, tiny_config, tiny_params
 from specjax.drafters.draft_model import DraftModelDrafter
-from specjax.engine import Engine
+from specjax import engine as engine_module
+from specjax.engine import Engine, memory_maps
 from specjax.sampling import SamplingParams
 
 CONFIG = tiny_config(num_layers=4)
@@ -176,3 +178,20 @@ def test_profile_step_times_every_piece():
     timings = engine_for("eagle3-tree").profile_step(PROMPTS, repeats=2)
     assert sorted(timings) == ["decode", "draft", "verify"]
     assert all(0 < t < 10 for t in timings.values())
+
+
+def test_an_engine_warns_when_the_process_is_short_of_memory_maps(monkeypatch):
+    config = tiny_config()
+    params = tiny_params(config, 0)
+    monkeypatch.setattr(engine_module, "memory_maps", lambda: (60000, 65530))
+    with pytest.warns(ResourceWarning, match="holds 60000 of the 65530 memory maps"):
+        Engine(config, params, max_len=64)
+    monkeypatch.setattr(engine_module, "memory_maps", lambda: (1000, 65530))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", ResourceWarning)
+        Engine(config, params, max_len=64)
+
+
+def test_memory_maps_counts_this_process():
+    held, cap = memory_maps()
+    assert 0 < held < cap
