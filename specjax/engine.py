@@ -80,7 +80,7 @@ class DecodeState:
     step: jax.Array  # [] decode steps taken
     accepted_hist: jax.Array  # [B, D + 1] verifier calls per accepted-draft count
     reached: jax.Array  # [B, D] verifier calls that verified draft position i
-    accept_stats: jax.Array  # [B, 2] decayed (accepted, tried) draft positions, for adaptive depth
+    accept_stats: jax.Array  # [B, C, D, 2] decayed (accepted, tried) per guess class and position (adaptive depth)
     depth: jax.Array  # [] the next step's draft depth, chosen at the end of the step before (-1: choose then)
 
 
@@ -303,7 +303,8 @@ class Engine:
         ctx = StepContext(pending=state.pending, lengths=cache.lengths, history=state.history, active=state.active)
         adaptive_depth = self.drafter.variants is not None
         if adaptive_depth:
-            chosen = adaptive.choose_depth(state.accept_stats, state.active, depth_costs)
+            guess, guess_class = self.drafter.first_guess(ctx)  # [B], [B]
+            chosen = self._choose_depth(state.accept_stats, guess_class, state.active, depth_costs)
             depth = jnp.where(state.depth >= 0, state.depth, chosen)
             drafter_state, proposal, out, aux, verdict = self._adaptive_draft_and_verify(
                 params, drafter_params, state, keys, ctx, sampling, depth
@@ -322,11 +323,16 @@ class Engine:
         num_generated = state.num_generated + num_committed
         hit_eos = jnp.any(self._is_eos(emitted) & valid, axis=1)
         active = state.active & ~hit_eos & (num_generated < state.max_new)
-        guess = self.drafter.first_guess(drafter_params, state.drafter_state, ctx) if adaptive_depth else None
-        guessed, guess_right = (None, None) if guess is None else (guess[1], guess[0] == verdict.next_token)
-        accept_stats = adaptive.observe(state.accept_stats, accepted, depth, state.active, guessed, guess_right)
-        # The next step's depth is chosen now, so that the drafter knows whether it will draft.
-        next_depth = adaptive.choose_depth(accept_stats, active, depth_costs) if adaptive_depth else state.depth
+        pending = jnp.where(state.active, verdict.next_token, state.pending)
+        offsets = jnp.arange(emitted.shape[1])  # [D + 1]
+        slots = jnp.where(valid, ctx.lengths[:, None] + 1 + offsets, self.max_len)  # out of range: dropped
+        history = state.history.at[jnp.arange(emitted.shape[0])[:, None], slots].set(emitted, mode="drop")
+        accept_stats, next_depth = state.accept_stats, state.depth
+        if adaptive_depth:
+            accept_stats = adaptive.observe(accept_stats, guess_class, accepted, depth, state.active, guess == verdict.next_token)
+            # The next step's depth is chosen now, so that the drafter knows whether it will draft.
+            next_ctx = StepContext(pending=pending, lengths=ctx.lengths + num_committed, history=history, active=active)
+            next_depth = self._choose_depth(accept_stats, self.drafter.first_guess(next_ctx)[1], active, depth_costs)
         commit = Commit(
             accepted=accepted,
             num_committed=num_committed,
@@ -341,16 +347,13 @@ class Engine:
             cache = kv.compact(cache, commit.path)
         cache = kv.commit(cache, commit.num_committed)
 
-        offsets = jnp.arange(emitted.shape[1])  # [D + 1]
-        slots = jnp.where(valid, ctx.lengths[:, None] + 1 + offsets, self.max_len)  # out of range: dropped
-        history = state.history.at[jnp.arange(emitted.shape[0])[:, None], slots].set(emitted, mode="drop")
         hist_update = jax.nn.one_hot(accepted, self.max_depth + 1, dtype=jnp.int32) * state.active[:, None]
         position = jnp.arange(self.max_depth)  # [D]
         reached = state.active[:, None] & (position < depth) & (position <= accepted[:, None])
         return state.replace(
             cache=cache,
             history=history,
-            pending=jnp.where(state.active, verdict.next_token, state.pending),
+            pending=pending,
             num_generated=num_generated,
             active=active,
             drafter_state=self.drafter.update(drafter_params, drafter_state, ctx, proposal, commit, out.features, **aux),
@@ -360,6 +363,9 @@ class Engine:
             accept_stats=accept_stats,
             depth=next_depth,
         )
+
+    def _choose_depth(self, accept_stats, guess_class, active, depth_costs) -> jax.Array:
+        return adaptive.choose_depth(accept_stats, guess_class, active, depth_costs, self.drafter.drafts_without_guess)
 
     def _decode(self, params, drafter_params, state: DecodeState, sampling, stop_step, depth_costs) -> DecodeState:
         """Decode until every row is done or `stop_step` steps were taken (no host sync inside).
@@ -392,7 +398,7 @@ class Engine:
             step=jnp.zeros((), jnp.int32),
             accepted_hist=jnp.zeros((batch_size, self.max_depth + 1), jnp.int32),
             reached=jnp.zeros((batch_size, self.max_depth), jnp.int32),
-            accept_stats=jnp.zeros((batch_size, 2), jnp.float32),
+            accept_stats=adaptive.init_stats(batch_size, self.drafter),
             depth=jnp.full((), -1 if self.drafter.variants is not None else self.max_depth, jnp.int32),
         )
 

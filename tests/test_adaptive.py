@@ -24,71 +24,116 @@ from specjax.tree import causal_mask
 CONFIG, PARAMS, PROMPTS, MAX_LEN = engine_tests.CONFIG, engine_tests.PARAMS, engine_tests.PROMPTS, engine_tests.MAX_LEN
 
 
-def stats_for(alphas, weight=50.0):
-    """[B, 2] counts that estimate the given acceptance rates with `weight` tried positions each."""
-    alphas = np.asarray(alphas, np.float32)
-    return jnp.stack([alphas * weight, np.full_like(alphas, weight)], -1)
+def stats_for(alphas, weight=50.0, depth=4, classes=1):
+    """[B, C, D, 2] counts that estimate the given acceptance rate at every position and class,
+    with `weight` tries each."""
+    alphas = np.asarray(alphas, np.float32)[:, None, None]
+    counts = np.stack(np.broadcast_arrays(alphas * weight, np.float32(weight)), -1)  # [B, 1, 1, 2]
+    return jnp.asarray(np.broadcast_to(counts, (len(alphas), classes, depth, 2)))
+
+
+def choose(stats, costs, active=None, guess_class=None, drafts_without_guess=True):
+    batch = stats.shape[0]
+    active = jnp.ones(batch, bool) if active is None else active
+    guess_class = jnp.zeros(batch, jnp.int32) if guess_class is None else jnp.asarray(guess_class, jnp.int32)
+    return int(adaptive.choose_depth(stats, guess_class, active, jnp.asarray(costs), drafts_without_guess))
 
 
 def test_choose_depth_prices_expected_tokens_against_cost():
-    costs = jnp.asarray([1.0, 1.1, 1.2, 1.3, 1.4])
-    active = jnp.ones(2, bool)
-    assert int(adaptive.choose_depth(stats_for([0.9, 0.9]), active, costs)) == 4  # good drafts: the longest chain
-    assert int(adaptive.choose_depth(stats_for([0.02, 0.02]), active, costs)) == 0  # useless drafts: plain decoding
+    costs = [1.0, 1.1, 1.2, 1.3, 1.4]
+    assert choose(stats_for([0.9, 0.9]), costs) == 4  # good drafts: the longest chain
+    assert choose(stats_for([0.02, 0.02]), costs) == 0  # useless drafts: plain decoding
     # 0.5 acceptance: one draft emits 1.5 tokens for 1.1, more drafts add less than they cost.
-    assert int(adaptive.choose_depth(stats_for([0.5, 0.5]), active, jnp.asarray([1.0, 1.1, 1.5, 2.0, 2.5]))) == 1
+    assert choose(stats_for([0.5, 0.5]), [1.0, 1.1, 1.5, 2.0, 2.5]) == 1
     # Only live rows count: a finished row with perfect drafts does not make the others draft.
-    assert int(adaptive.choose_depth(stats_for([0.02, 0.99]), jnp.array([True, False]), costs)) == 0
+    assert choose(stats_for([0.02, 0.99]), costs, active=jnp.array([True, False])) == 0
     # Free verification (flat costs): any acceptance above zero pays for the whole chain.
-    assert int(adaptive.choose_depth(stats_for([0.1, 0.1]), active, jnp.ones(5))) == 4
+    assert choose(stats_for([0.1, 0.1]), np.ones(5)) == 4
+
+
+def test_expected_tokens_follow_acceptance_by_position():
+    """An n-gram chain: its first token is often wrong, but once right the rest follow. A
+    geometric model with the pooled rate would misprice every depth."""
+    counts = np.zeros((1, 1, 4, 2), np.float32)
+    counts[0, 0, :, 1] = [100, 30, 25, 22]  # tried per position
+    counts[0, 0, :, 0] = [30, 25, 22, 20]  # accepted
+    alpha, prior = [], 0.5
+    for accepted, tried in counts[0, 0]:  # each position's pseudo-try is at the estimate before it
+        prior = (accepted + prior) / (tried + 1)
+        alpha.append(prior)
+    expected = adaptive.expected_tokens(jnp.asarray(counts), jnp.zeros(1, jnp.int32), True)[0]
+    np.testing.assert_allclose(expected, 1 + np.concatenate([[0], np.cumsum(np.cumprod(alpha))]), rtol=1e-6)
+    # One draft pays 1.3 for 1.4 (no); four pay about 2.0 for 1.7 (yes).
+    assert choose(jnp.asarray(counts), [1.0, 1.4, 1.5, 1.6, 1.7]) == 4
+
+
+def test_rows_are_priced_by_the_class_of_their_coming_guess():
+    counts = np.array(stats_for([0.1], depth=3, classes=3))
+    counts[0, 2] = np.asarray(stats_for([0.9], depth=3))[0, 0]  # long matches are right, the rest not
+    stats, costs = jnp.asarray(counts), [1.0, 1.3, 1.4, 1.5]
+    assert choose(stats, costs, guess_class=[2]) == 3
+    assert choose(stats, costs, guess_class=[1]) == 0 and choose(stats, costs, guess_class=[0]) == 0
+    # A drafter with nothing to draft without a guess never drafts for a row that has none.
+    good = stats_for([0.9], depth=3, classes=3)
+    assert choose(good, costs, guess_class=[0]) == 3
+    assert choose(good, costs, guess_class=[0], drafts_without_guess=False) == 0
 
 
 def test_observe_counts_tried_positions_and_decays():
-    stats = jnp.zeros((3, 2))
-    # Accepted 2 of a 3-chain (3 tried: two accepted, the third rejected); all 3 accepted; inactive.
-    stats = adaptive.observe(stats, jnp.array([2, 3, 3]), 3, jnp.array([True, True, False]))
-    np.testing.assert_allclose(stats, [[2, 3], [3, 3], [0, 0]])
-    again = adaptive.observe(stats, jnp.array([0, 0, 0]), 3, jnp.array([True, True, False]))
-    np.testing.assert_allclose(again, np.asarray(stats) * adaptive.DECAY + [[0, 1], [0, 1], [0, 0]])
-    idle = adaptive.observe(stats, jnp.array([0, 0, 0]), 0, jnp.ones(3, bool))  # a step without drafts
-    np.testing.assert_allclose(idle, np.asarray(stats) * adaptive.IDLE_DECAY)
-    assert float(adaptive.acceptance(jnp.zeros((1, 2)))[0]) == pytest.approx(0.5)  # the prior
+    stats, active, none = jnp.zeros((3, 1, 3, 2)), jnp.array([True, True, False]), jnp.zeros(3, jnp.int32)
+    observe = lambda stats, accepted, depth: adaptive.observe(stats, none, jnp.asarray(accepted), depth, active, jnp.zeros(3, bool))
+    # Accepted 1 of a 3-chain (positions 1, 2 tried, the first accepted); all 3 accepted; inactive.
+    stats = observe(stats, [1, 3, 3], 3)
+    np.testing.assert_allclose(stats[:, 0], [[[1, 1], [0, 1], [0, 0]], [[1, 1], [1, 1], [1, 1]], [[0, 0]] * 3])
+    again = observe(stats, [0, 0, 0], 3)  # only position 1 tried: it decays and counts; the rest stay
+    expected = np.array(stats)
+    expected[:2, 0, 0] = expected[:2, 0, 0] * adaptive.DECAY + [0, 1]
+    np.testing.assert_allclose(again, expected)
+    short = observe(stats, [2, 2, 0], 2)  # a 2-chain never tries position 3
+    np.testing.assert_allclose(short[:, 0, 2], stats[:, 0, 2])
+    idle = observe(stats, [0, 0, 0], 0)  # a step without drafts or guesses: back towards the prior
+    np.testing.assert_allclose(idle, np.asarray(stats) * [[[[adaptive.IDLE_DECAY]]], [[[adaptive.IDLE_DECAY]]], [[[1.0]]]])
+    np.testing.assert_allclose(adaptive.acceptance(jnp.zeros((1, 3, 2))), [[0.5] * 3])  # the prior
+    # A position never reached is priced like the one before it: a right chain stays long.
+    right = jnp.asarray([[[20.0, 20.0], [20.0, 20.0], [0.0, 0.0]]])
+    assert float(adaptive.acceptance(right)[0, 2]) > 0.97
 
 
 def test_drafting_must_beat_plain_decoding_by_the_margin():
-    costs, active = jnp.asarray([1.0, 1.2]), jnp.ones(1, bool)
+    costs = [1.0, 1.2]
     assert 1.23 / 1.2 < adaptive.MARGIN < 1.3 / 1.2  # 0.23 would gain 2.5%, 0.3 gains 8%
-    assert int(adaptive.choose_depth(stats_for([0.23]), active, costs)) == 0
-    assert int(adaptive.choose_depth(stats_for([0.3]), active, costs)) == 1
+    assert choose(stats_for([0.23], depth=1), costs) == 0
+    assert choose(stats_for([0.3], depth=1), costs) == 1
 
 
-def test_a_depth_zero_step_counts_a_checked_guess_as_one_try():
-    stats = stats_for([0.2, 0.2, 0.2], weight=10.0)
-    active, guessed = jnp.array([True, True, False]), jnp.array([True, False, True])
-    new = adaptive.observe(stats, jnp.zeros(3, jnp.int32), 0, active, guessed, jnp.array([True, True, True]))
-    expected = np.asarray(stats) * [[adaptive.DECAY], [adaptive.IDLE_DECAY], [adaptive.DECAY]] + [[1, 1], [0, 0], [0, 0]]
-    np.testing.assert_allclose(new, expected, rtol=1e-6)
-    # Drafting steps ignore guesses.
-    drafted = adaptive.observe(stats, jnp.array([1, 1, 1]), 2, active, guessed, jnp.array([False] * 3))
-    np.testing.assert_allclose(drafted, adaptive.observe(stats, jnp.array([1, 1, 1]), 2, active))
+def test_a_depth_zero_step_counts_a_checked_guess_in_its_class():
+    stats = stats_for([0.2, 0.2, 0.2], weight=10.0, depth=2, classes=3)
+    active, guess_class, right = jnp.array([True, True, False]), jnp.array([2, 0, 1]), jnp.array([True, True, True])
+    new = adaptive.observe(stats, guess_class, jnp.zeros(3, jnp.int32), 0, active, right)
+    expected = np.array(stats)
+    expected[0, 2, 0] = expected[0, 2, 0] * adaptive.DECAY + [1, 1]  # row 0: position 1 of class 2
+    expected[1, 0] *= adaptive.IDLE_DECAY  # row 1 has no guess: its class drifts to the prior
+    np.testing.assert_allclose(new, expected, rtol=1e-6)  # row 2 is finished
+    # Drafting steps count the chain, whatever the guess said.
+    drafted = adaptive.observe(stats, guess_class, jnp.array([1, 1, 1]), 2, active, jnp.zeros(3, bool))
+    np.testing.assert_allclose(drafted, adaptive.observe(stats, guess_class, jnp.array([1, 1, 1]), 2, active, right))
 
 
 def test_right_guesses_bring_a_row_back_to_drafting_within_a_few_steps():
-    costs, active = jnp.asarray([1.0, 1.3, 1.6]), jnp.ones(1, bool)
-    def steps_to_resume(guessed):
-        stats = stats_for([0.05], weight=20.0)  # a row that stopped drafting
+    costs, active = [1.0, 1.3, 1.6], jnp.ones(1, bool)
+    def steps_to_resume(guess_class):
+        stats = stats_for([0.05], weight=20.0, depth=2, classes=2)  # a row that stopped drafting
         for step in range(1, 200):
-            stats = adaptive.observe(stats, jnp.zeros(1, jnp.int32), 0, active, jnp.array([guessed]), jnp.array([True]))
-            if int(adaptive.choose_depth(stats, active, costs)) > 0:
+            stats = adaptive.observe(stats, jnp.array([guess_class]), jnp.zeros(1, jnp.int32), 0, active, jnp.array([True]))
+            if choose(stats, costs, guess_class=[guess_class]) > 0:
                 return step
-    assert steps_to_resume(True) <= 10 < 30 < steps_to_resume(False)
+    assert steps_to_resume(1) <= 10 < 30 < steps_to_resume(0)
 
 
 def test_an_infinite_cost_rules_a_depth_out():
-    stats, active = stats_for([0.9, 0.9]), jnp.ones(2, bool)
+    stats = stats_for([0.9, 0.9], depth=3)
     for depth in range(4):
-        forced = jnp.full(4, jnp.inf).at[depth].set(1.0)
-        assert int(adaptive.choose_depth(stats, active, forced)) == depth
+        assert choose(stats, jnp.full(4, jnp.inf).at[depth].set(1.0)) == depth
 
 
 @pytest.fixture(scope="module")
@@ -132,9 +177,11 @@ class GuessingOracle(OracleChain):
         super().__init__(num_draft)
         self.wrong = wrong
 
-    def first_guess(self, params, state, ctx):
-        token = OracleChain(1).propose(params, state, None, ctx, None)[1].tokens[:, 1]
-        return (token + self.wrong) % CONFIG.vocab_size, ctx.active
+    guess_classes = 2
+
+    def first_guess(self, ctx):
+        token = OracleChain(1).propose((), (), None, ctx, None)[1].tokens[:, 1]
+        return (token + self.wrong) % CONFIG.vocab_size, ctx.active.astype(jnp.int32)
 
 
 @pytest.mark.parametrize("drafter, low, high", [(GuessingOracle(3), 0.9, 1.0), (GuessingOracle(3, wrong=True), 0.0, 0.1),
@@ -145,7 +192,8 @@ def test_the_engine_checks_the_first_guess_at_depth_zero_steps(drafter, low, hig
     state = engine.admit(engine.init_state(1), [0], PROMPTS[:1], 40)
     state = engine.decode(state, SamplingParams.make(1), 30)
     assert int(state.step) == 30
-    assert low <= float(adaptive.acceptance(state.accept_stats)[0]) <= high  # no guess: the prior alone
+    first = adaptive.acceptance(state.accept_stats)[0, -1, 0]  # position 1 of the guessing class
+    assert low <= float(first) <= high  # no guess: the prior alone
 
 
 def test_a_postponing_head_reads_what_it_queued_as_if_it_had_read_every_step():

@@ -51,11 +51,14 @@ def test_rows_with_a_long_enough_match_take_the_lookup_chain():
     np.testing.assert_array_equal(proposal.tree.parents, head_proposal.tree.parents)
     np.testing.assert_array_equal(proposal.tree.depths, head_proposal.tree.depths)
 
-    # The first guess at a depth-0 step: the lookup's first draft where it matched, none elsewhere.
-    guess, guessed = drafter.first_guess(drafter.params, state, ctx)
-    assert list(np.asarray(guessed)) == [True, False] and int(guess[0]) == 13
-    plain_guess, plain_guessed = NgramDrafter(3, max_ngram=4).first_guess((), (), ctx)  # any match of 1 .. 4 tokens
-    assert list(np.asarray(plain_guessed)) == [True, True] and list(np.asarray(plain_guess)) == [13, 13]
+    # The first guess at a depth-0 step: the lookup's first draft, classed by the matched suffix's
+    # length where it is long enough (0: no guess).
+    guess, guess_class = drafter.first_guess(ctx)
+    assert list(np.asarray(guess_class)) == [3, 0] and int(guess[0]) == 13 and drafter.guess_classes == 5
+    plain = NgramDrafter(3, max_ngram=4)  # any match of 1 .. 4 tokens
+    plain_guess, plain_class = plain.first_guess(ctx)
+    assert list(np.asarray(plain_class)) == [3, 2] and list(np.asarray(plain_guess)) == [13, 13]
+    assert not plain.drafts_without_guess and drafter.drafts_without_guess  # the EAGLE-3 chain drafts anyway
 
     # Every live row matches (row 1 has finished): the lookup chain alone, the head's drafting skipped.
     ctx = ctx.replace(history=history.at[1].set(history[0]), active=jnp.array([True, False]))

@@ -5,17 +5,22 @@ token alone, i.e. plain decoding, while the drafter's state keeps reading what i
 Before each step the engine picks one depth for the batch (`choose_depth`) and runs that
 variant of the step (`lax.switch` over the D + 1 compiled variants), so shapes stay static.
 
-The choice prices what each depth would emit against what it costs. Row b's acceptance rate
-alpha_b is a running estimate from its own verifier calls (decayed counts of accepted and tried
-draft positions). While a row does not draft, a drafter that can guess its first draft without a
-model (n-gram lookup: `Drafter.first_guess`) has the guess checked against the token sampled, so
-the estimate keeps following the text; without a guess a prior slowly pulls the row back to
-trying. A chain of d drafts then emits E_b(d) = 1 + alpha_b + ... + alpha_b^d tokens. The cost of a step
-at depth d, relative to a step at depth 0, is measured on this engine at this batch size: whole
+The choice prices what each depth would emit against what it costs. Each row keeps decayed
+counts of accepted and tried drafts per chain position, so a_bk estimates P(draft k accepted |
+drafts 1 .. k-1 accepted) for row b: acceptance is not geometric (an n-gram chain that gets its
+first token right usually gets the rest; an EAGLE head's first draft is its best). The counts
+are kept per class of the row's first guess (`Drafter.first_guess`: an n-gram match's length,
+found without a model before the step), and a row is priced with the class of the guess it has
+for the coming step, so a row drafts where its text repeats and not elsewhere. A chain of d
+drafts then emits E_b(d) = 1 + a_b1 + a_b1 a_b2 + ... + a_b1 ... a_bd tokens. While a row does
+not draft, its guess is checked against the token sampled (position 1 of its class); without a
+guess its counts drift back to the prior, so it tries again now and then. The cost of a step at
+depth d, relative to a step at depth 0, is measured on this engine at this batch size: whole
 steps of the compiled loop, each depth forced in turn (`Engine.measure_depth_costs`), so every
 overhead of drafting, verifying and committing is priced. The batch takes
 argmax_d sum_b E_b(d) / cost(d), where drafting must beat depth 0 by a margin: verifying costs
-per block, not per row, so one depth serves every row. The choice depends only on the past, so every step stays exact.
+per block, not per row, so one depth serves every row. The choice depends only on the past, so
+every step stays exact.
 
 Each step's depth is chosen at the end of the step before, so a drafter learns, as it reads what
 was committed, whether the next step drafts; when it does not, a drafter may postpone that
@@ -31,15 +36,17 @@ import numpy as np
 
 from specjax.drafters.base import Drafter, Wrapper
 
-#: Decay of a row's counts per drafting step: its estimate follows about its last twenty drafts.
+#: Decay of a count each time its position is tried: an estimate follows about its last twenty tries.
 DECAY = 0.95
-#: Decay per step without drafts: with no new evidence a row's estimate drifts back to the prior
-#: (over some 50 steps), so a row that stopped drafting tries again now and then.
+#: Decay per step without a draft or a guess: with no new evidence a row's estimates drift back to
+#: the prior (over some 50 steps), so a row that stopped drafting tries again now and then.
 IDLE_DECAY = 0.98
-#: Pseudo-counts (accepted, tried) added to every estimate: alpha starts at 0.5. One pseudo-try
+#: Pseudo-counts (accepted, tried) added to position 1's counts: it starts at 0.5. One pseudo-try
 #: only: a heavier prior inflates the estimate of a row that drafts badly (with 2 pseudo-tries
 #: beside ten real ones, an acceptance of 0.09 reads as 0.16), which makes it keep drafting where
-#: a block costs more than that (batch 4: a one-draft step costs about 1.16 decode steps).
+#: a block costs more than that (batch 4: a one-draft step costs about 1.16 decode steps). A deeper
+#: position k gets one pseudo-try at the estimate of position k - 1, so a position the chain has
+#: not reached yet is priced like the one before it, not at 0.5 (a right chain stays long).
 PRIOR = (0.5, 1.0)
 #: Drafting must promise this much more than plain decoding per unit of time: the costs are
 #: measured on synthetic rows and the estimate is noisy, and a step that drafts at break-even
@@ -50,40 +57,67 @@ MARGIN = 1.05
 POSTPONE_STEPS = 16
 
 
+def init_stats(batch_size: int, drafter: Drafter) -> jax.Array:
+    """[B, C, D, 2] zero counts: (accepted, tried) per row, guess class and chain position."""
+    return jnp.zeros((batch_size, drafter.guess_classes, drafter.max_depth, 2), jnp.float32)
+
+
 def acceptance(stats: jax.Array) -> jax.Array:
-    """stats [B, 2] decayed (accepted, tried) draft positions -> [B] estimated acceptance rate."""
-    return (stats[:, 0] + PRIOR[0]) / (stats[:, 1] + PRIOR[1])
+    """stats [..., D, 2] decayed (accepted, tried) counts per chain position -> [..., D] estimated
+    acceptance of each position given the ones before it were accepted (see PRIOR)."""
+    rates, prior = [], jnp.full(stats.shape[:-2], PRIOR[0] / PRIOR[1])
+    for position in range(stats.shape[-2]):
+        accepted, tried = stats[..., position, 0], stats[..., position, 1]
+        prior = (accepted + prior * PRIOR[1]) / (tried + PRIOR[1])
+        rates.append(prior)
+    return jnp.stack(rates, -1)
 
 
 def observe(
-    stats: jax.Array, accepted: jax.Array, depth: int, active: jax.Array, guessed=None, guess_right=None
+    stats: jax.Array, guess_class: jax.Array, accepted: jax.Array, depth, active: jax.Array, guess_right: jax.Array
 ) -> jax.Array:
-    """Decay every row's counts, then add this step's: accepted drafts [B], and the positions
-    tried (the accepted ones and the first rejected one) of a depth-`depth` chain.
+    """Add one step's evidence to each row's counts of the class of its guess (guess_class [B]).
 
-    At depth 0 a row whose drafter guessed its first draft (guessed [B], `Drafter.first_guess`)
-    counts one try, accepted where the guess is the token sampled (guess_right [B]: for a sampled
-    row this happens with probability q(guess), the point-mass rule's acceptance); a row without
-    a guess has no new evidence and drifts back to the prior (IDLE_DECAY)."""
-    tried = jnp.minimum(accepted + 1, depth)
-    new = jnp.stack([accepted, tried], -1).astype(stats.dtype) * active[:, None]
-    idle = stats * IDLE_DECAY
-    if guessed is not None:
-        guess = jnp.stack([guess_right, jnp.ones_like(guess_right)], -1).astype(stats.dtype)
-        idle = jnp.where(guessed[:, None], stats * DECAY + guess * active[:, None], idle)
-    return jnp.where(depth > 0, stats * DECAY + new, idle)
+    stats [B, C, D, 2]; accepted [B] drafts of a depth-`depth` chain. A drafting step tries the
+    positions up to the first rejected one and accepts those before it. At depth 0 a row with a
+    guess tries position 1, accepted where the guess is the token sampled (guess_right [B]: for a
+    sampled row this happens with probability q(guess), the point-mass rule's acceptance); a row
+    without a guess has no new evidence and its counts drift back to the prior (IDLE_DECAY).
+    Every tried count decays by DECAY before it is added to; untried counts stay."""
+    positions = jnp.arange(stats.shape[2])  # [D]
+    checked = active & (guess_class > 0)
+    tried = jnp.where(depth > 0, (positions < depth) & (positions <= accepted[:, None]), (positions == 0) & checked[:, None])
+    hit = jnp.where(depth > 0, positions < accepted[:, None], (positions == 0) & (checked & guess_right)[:, None])
+    in_class = jax.nn.one_hot(guess_class, stats.shape[1], dtype=bool) & active[:, None]  # [B, C]
+    cells = (in_class[:, :, None] & tried[:, None, :])[..., None]  # [B, C, D, 1]
+    evidence = jnp.stack([hit, jnp.ones_like(hit)], -1).astype(stats.dtype)[:, None]  # [B, 1, D, 2]
+    stats = jnp.where(cells, stats * DECAY + evidence, stats)
+    idle = (depth == 0) & active & (guess_class == 0)  # [B]
+    return jnp.where((idle[:, None] & in_class)[:, :, None, None], stats * IDLE_DECAY, stats)
 
 
-def choose_depth(stats: jax.Array, active: jax.Array, costs: jax.Array) -> jax.Array:
+def expected_tokens(stats: jax.Array, guess_class: jax.Array, drafts_without_guess: bool) -> jax.Array:
+    """[B, D + 1] tokens a depth-d step is expected to emit for each row, from the counts of the
+    class of its guess; a row without a guess emits one where its drafter needs one."""
+    alpha = acceptance(jnp.take_along_axis(stats, guess_class[:, None, None, None], 1)[:, 0])  # [B, D]
+    if not drafts_without_guess:
+        alpha = jnp.where(guess_class[:, None] > 0, alpha, 0.0)
+    reach = jnp.cumprod(alpha, axis=-1)  # [B, D]: P(drafts 1 .. k all accepted)
+    return 1.0 + jnp.concatenate([jnp.zeros_like(reach[:, :1]), jnp.cumsum(reach, axis=-1)], -1)
+
+
+def choose_depth(
+    stats: jax.Array, guess_class: jax.Array, active: jax.Array, costs: jax.Array, drafts_without_guess: bool = True
+) -> jax.Array:
     """The depth d in 0 .. D maximising the batch's expected tokens per unit of time.
 
-    stats [B, 2] per-row counts (`observe`), active [B], costs [D + 1] step time at each depth
-    relative to depth 0 (inf: never). Returns an int32 scalar.
+    stats [B, C, D, 2] per-row counts (`observe`), guess_class [B] of the coming step's guesses,
+    active [B], costs [D + 1] step time at each depth relative to depth 0 (inf: never).
+    Returns an int32 scalar.
     """
-    alpha = jnp.clip(acceptance(stats), 0.0, 0.999)[:, None]  # [B, 1]
-    depths = jnp.arange(costs.shape[0])  # [D + 1]
-    expected = (1 - alpha ** (depths + 1)) / (1 - alpha)  # [B, D + 1] tokens per call
+    expected = expected_tokens(stats, guess_class, drafts_without_guess)  # [B, D + 1]
     tokens = jnp.sum(jnp.where(active[:, None], expected, 0.0), axis=0)
+    depths = jnp.arange(costs.shape[0])
     return jnp.argmax(tokens / (costs * jnp.where(depths > 0, MARGIN, 1.0))).astype(jnp.int32)
 
 
@@ -108,6 +142,3 @@ class AdaptiveDepth(Wrapper):
 
     def propose(self, params, state, key, ctx, sampling):
         return self.inner.propose(params, state, key, ctx, sampling)
-
-    def first_guess(self, params, state, ctx):
-        return self.inner.first_guess(params, state, ctx)

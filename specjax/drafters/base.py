@@ -199,12 +199,22 @@ class Drafter(abc.ABC):
         same params and state layout, for `NAME:auto`. Default: not possible."""
         raise ValueError(f"{type(self).__name__} cannot change its draft length per step (no :auto)")
 
-    def first_guess(self, params, state: DrafterState, ctx: StepContext) -> tuple[jax.Array, jax.Array] | None:
+    #: Classes of `first_guess`: 0 is "no guess", 1 .. guess_classes - 1 say how the guess was
+    #: found (an n-gram match's length). An adaptive engine keeps acceptance statistics per class.
+    #: 1: the drafter never guesses.
+    guess_classes: int = 1
+
+    #: False where the drafter has nothing worth verifying without a guess (n-gram lookup without a
+    #: match proposes the last token repeated): an adaptive engine never drafts for such a row.
+    drafts_without_guess: bool = True
+
+    def first_guess(self, ctx: StepContext) -> tuple[jax.Array, jax.Array]:
         """The first token this drafter would propose below ctx.pending, found without running a
-        model: ([B] token, [B] bool: the row has a guess), or None (default: no guess is cheap).
-        At a depth-0 step an adaptive engine checks the guess against the token it samples, so a
-        row's acceptance estimate keeps learning while the row does not draft."""
-        return None
+        model: ([B] token, [B] int32 class, 0 where the row has no guess). Default: no guess.
+        An adaptive engine checks a depth-0 step's guess against the token it samples, so a row's
+        acceptance estimate keeps learning while the row does not draft, and prices the next
+        step with the statistics of its guess's class."""
+        return jnp.zeros_like(ctx.pending), jnp.zeros_like(ctx.pending)
 
     def postponing(self, steps: int) -> Drafter:
         """This drafter, allowed to leave what was committed unread while no step drafts
@@ -262,6 +272,17 @@ class Wrapper(Drafter):
 
     def update(self, params, state, ctx, proposal, commit, features, **aux):
         return self.inner.update(params, state, ctx, proposal, commit, features, **aux)
+
+    @property
+    def guess_classes(self) -> int:
+        return self.inner.guess_classes
+
+    @property
+    def drafts_without_guess(self) -> bool:
+        return self.inner.drafts_without_guess
+
+    def first_guess(self, ctx):
+        return self.inner.first_guess(ctx)
 
     def postponing(self, steps: int) -> Wrapper:
         postponing = copy.copy(self)

@@ -65,9 +65,15 @@ class NgramDrafter(ChainDrafter):
         chain = tree_lib.chain(ctx.pending.shape[0], self.num_draft)
         return state, Proposal(tree=chain, tokens=tokens)
 
-    def first_guess(self, params, state, ctx: StepContext):
+    drafts_without_guess = False  # without a match the lookup proposes the last token repeated
+
+    @property
+    def guess_classes(self) -> int:
+        return self.max_ngram + 1  # the matched suffix's length, 0 without a match
+
+    def first_guess(self, ctx: StepContext):
         guess, matched = lookup_rows(ctx, 1, self.max_ngram, self.min_ngram)  # [B, 1], [B]
-        return guess[:, 0], matched > 0
+        return guess[:, 0], matched
 
 
 METHOD = Method(

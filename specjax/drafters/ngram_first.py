@@ -41,10 +41,14 @@ class NgramFirst(Wrapper):
     def at_depth(self, depth: int) -> NgramFirst:
         return NgramFirst(self.inner.at_depth(depth), min_ngram=self.min_ngram, max_ngram=self.max_ngram)
 
-    def first_guess(self, params, state, ctx: StepContext):
+    @property
+    def guess_classes(self) -> int:
+        return self.max_ngram + 1  # the matched suffix's length (>= min_ngram), 0: the fallback drafts
+
+    def first_guess(self, ctx: StepContext):
         """The lookup's first token where the suffix matches; the fallback's needs its forwards."""
         guess, matched = lookup_rows(ctx, 1, self.max_ngram, self.min_ngram)  # [B, 1], [B]
-        return guess[:, 0], matched > 0  # a match is at least min_ngram long
+        return guess[:, 0], matched
 
     def propose(self, params, state, key: jax.Array, ctx: StepContext, sampling: SamplingParams):
         batch, depth = ctx.pending.shape[0], self.max_depth
