@@ -39,19 +39,22 @@ from specjax.drafters.base import Drafter, Wrapper
 #: Decay of a count each time its position is tried: an estimate follows about its last twenty tries.
 DECAY = 0.95
 #: Decay per step without a draft or a guess: with no new evidence a row's estimates drift back to
-#: the prior (over some 50 steps), so a row that stopped drafting tries again now and then.
+#: the prior, so a row that stopped drafting tries again now and then (at acceptance 0.3 and
+#: batch 1, after some 150 steps).
 IDLE_DECAY = 0.98
-#: Pseudo-counts (accepted, tried) added to position 1's counts: it starts at 0.5. One pseudo-try
-#: only: a heavier prior inflates the estimate of a row that drafts badly (with 2 pseudo-tries
-#: beside ten real ones, an acceptance of 0.09 reads as 0.16), which makes it keep drafting where
-#: a block costs more than that (batch 4: a one-draft step costs about 1.16 decode steps). A deeper
-#: position k gets one pseudo-try at the estimate of position k - 1, so a position the chain has
-#: not reached yet is priced like the one before it, not at 0.5 (a right chain stays long).
-PRIOR = (0.5, 1.0)
-#: Drafting must promise this much more than plain decoding per unit of time: the costs are
-#: measured on synthetic rows and the estimate is noisy, and a step that drafts at break-even
-#: gains nothing while one that misjudges loses.
-MARGIN = 1.05
+#: Pseudo-counts (accepted, tried) added to position 1's counts: a row without evidence is priced
+#: at 0.7, optimistic on purpose, so that it tries drafting once (a fresh row, or one whose counts
+#: have decayed while it did not draft) whatever the margin. One pseudo-try only: a heavier prior
+#: inflates the estimate of a row that drafts badly (beside ten real tries at 0.09 it reads 0.15;
+#: with 2 pseudo-tries 0.19). A deeper position k gets one pseudo-try at the estimate of position
+#: k - 1, so a position the chain has not reached yet is priced like the one before it (a right
+#: chain stays long).
+PRIOR = (0.7, 1.0)
+#: Drafting must promise this much more than plain decoding per unit of time. The costs are
+#: measured on synthetic rows, and on real chat rows a drafted step costs up to 10% more than
+#: that (`scripts/baseline_step_check.py --depths`); the estimates are noisy besides, and a step
+#: that drafts at break-even gains nothing while one that misjudges loses.
+MARGIN = 1.15
 #: Steps at depth 0 in a row for which a drafter may leave what was committed unread
 #: (`Drafter.postponing`): it catches up in one read of this width, not one per step.
 POSTPONE_STEPS = 16
@@ -65,7 +68,7 @@ def init_stats(batch_size: int, drafter: Drafter) -> jax.Array:
 def acceptance(stats: jax.Array) -> jax.Array:
     """stats [..., D, 2] decayed (accepted, tried) counts per chain position -> [..., D] estimated
     acceptance of each position given the ones before it were accepted (see PRIOR)."""
-    rates, prior = [], jnp.full(stats.shape[:-2], PRIOR[0] / PRIOR[1])
+    rates, prior = [], jnp.full(stats.shape[:-2], PRIOR[0] / PRIOR[1])  # [...]
     for position in range(stats.shape[-2]):
         accepted, tried = stats[..., position, 0], stats[..., position, 1]
         prior = (accepted + prior * PRIOR[1]) / (tried + PRIOR[1])
