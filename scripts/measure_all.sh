@@ -6,7 +6,12 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 mkdir -p results
 # Plain decoding's step against adaptive engines forced to draft nothing (strictly more work).
-python scripts/baseline_step_check.py --prompts chat --batch-size 1 | tee results/baseline_step_check_chat_b1.txt
+python scripts/baseline_step_check.py --prompts chat --batch-size 1 --repeats 9 | tee results/baseline_step_check_chat_b1.txt
+# The same at depths 1 and 3 on real chat rows at batch 4, beside the costs the engine measures (adaptive.MARGIN).
+python scripts/baseline_step_check.py --prompts chat --batch-size 4 --depths 0,1,3 --repeats 5 | tee results/baseline_step_check_chat_b4.txt
+# How often the first n-gram guess is right, by match length (why adaptive rows are priced per guess class).
+python scripts/ngram_guess_accuracy.py --prompts chat --num-prompts 8 | tee results/ngram_guess_accuracy_chat.txt
+python scripts/ngram_guess_accuracy.py --prompts mt-bench --num-prompts 16 | tee results/ngram_guess_accuracy_mtbench.txt
 # Adaptive draft length on open chat (built-in set, MT-bench) and beside the fixed chains on code.
 AUTO=ar,ngram:auto5,eagle3:auto3,eagle3+ngram:auto3
 python -m infer.bench --methods $AUTO --batch-size 1,4 --prompts chat --num-prompts 8 --max-new-tokens 64 \

@@ -15,6 +15,7 @@ from specjax.drafters import adaptive
 from specjax.drafters.adaptive import AdaptiveDepth
 from specjax.drafters.base import ChainDrafter, Commit, Proposal
 from specjax.drafters.draft_model import DraftModelDrafter
+from specjax.drafters.ngram import NgramDrafter
 from specjax.drafters.registry import MethodSpec
 from specjax.engine import Engine
 from specjax.models import llama
@@ -168,6 +169,15 @@ def test_the_engine_drafts_long_where_drafts_are_right_and_backs_off_where_wrong
     assert wrong.tokens == autoregressive and wrong.tau == 1.0
     assert 0 < wrong.drafting_share < 0.15
     np.testing.assert_array_equal(wrong.acceptance_by_position, 0.0)
+
+
+def test_ngram_auto_drafts_where_the_text_repeats(autoregressive):
+    """The tiny model's greedy outputs repeat themselves: the lookup's guesses come right, the
+    rows draft long chains, and the output is plain decoding's."""
+    engine = Engine(CONFIG, PARAMS, AdaptiveDepth(NgramDrafter(3), costs=ADAPTIVE_COSTS), max_len=MAX_LEN)
+    stats = engine.generate(PROMPTS, max_new_tokens=engine_tests.NEW_TOKENS)
+    assert stats.tokens == autoregressive
+    assert stats.drafting_share > 0.5 and stats.tau > 2.0
 
 
 class GuessingOracle(OracleChain):
