@@ -82,6 +82,8 @@ class DecodeState:
     reached: jax.Array  # [B, D] verifier calls that verified draft position i
     accept_stats: jax.Array  # [B, C, D, 2] decayed (accepted, tried) per guess class and position (adaptive depth)
     depth: jax.Array  # [] the next step's draft depth, chosen at the end of the step before (-1: choose then)
+    guess: jax.Array  # [B] the drafter's first guess for the next step (`Drafter.first_guess`, adaptive depth)
+    guess_class: jax.Array  # [B] its class, 0: no guess
 
 
 @dataclasses.dataclass
@@ -194,13 +196,20 @@ class Engine:
         state = self.init_state(history.shape[0])
         last = jnp.take_along_axis(history, jnp.maximum(prompt_lengths - 1, 0)[:, None], 1)[:, 0]
         streams = jnp.arange(history.shape[0])
+        active = jnp.ones_like(state.active)
+        guess, guess_class = state.guess, state.guess_class
+        if self.drafter.variants is not None:  # the guess reads the prompt, not the cache
+            ctx = StepContext(pending=last, lengths=prompt_lengths - 1, history=history, active=active)
+            guess, guess_class = self.drafter.first_guess(ctx)
         return state.replace(
             history=history,
             pending=last,
             prompt_lengths=prompt_lengths,
             max_new=max_new,
-            active=jnp.ones_like(state.active),
+            active=active,
             keys=jax.vmap(jax.random.fold_in, (None, 0))(jax.random.key(seed), streams),
+            guess=guess,
+            guess_class=guess_class,
         )
 
     def _place(self, state: DecodeState, new: DecodeState, rows) -> DecodeState:
@@ -303,7 +312,7 @@ class Engine:
         ctx = StepContext(pending=state.pending, lengths=cache.lengths, history=state.history, active=state.active)
         adaptive_depth = self.drafter.variants is not None
         if adaptive_depth:
-            guess, guess_class = self.drafter.first_guess(ctx)  # [B], [B]
+            guess, guess_class = state.guess, state.guess_class  # [B], [B] found at the end of the step before
             chosen = self._choose_depth(state.accept_stats, guess_class, state.active, depth_costs)
             depth = jnp.where(state.depth >= 0, state.depth, chosen)
             drafter_state, proposal, out, aux, verdict = self._adaptive_draft_and_verify(
@@ -327,12 +336,13 @@ class Engine:
         offsets = jnp.arange(emitted.shape[1])  # [D + 1]
         slots = jnp.where(valid, ctx.lengths[:, None] + 1 + offsets, self.max_len)  # out of range: dropped
         history = state.history.at[jnp.arange(emitted.shape[0])[:, None], slots].set(emitted, mode="drop")
-        accept_stats, next_depth = state.accept_stats, state.depth
+        accept_stats, next_depth, next_guess, next_class = state.accept_stats, state.depth, state.guess, state.guess_class
         if adaptive_depth:
             accept_stats = adaptive.observe(accept_stats, guess_class, accepted, depth, state.active, guess == verdict.next_token)
             # The next step's depth is chosen now, so that the drafter knows whether it will draft.
             next_ctx = StepContext(pending=pending, lengths=ctx.lengths + num_committed, history=history, active=active)
-            next_depth = self._choose_depth(accept_stats, self.drafter.first_guess(next_ctx)[1], active, depth_costs)
+            next_guess, next_class = self.drafter.first_guess(next_ctx)
+            next_depth = self._choose_depth(accept_stats, next_class, active, depth_costs)
         commit = Commit(
             accepted=accepted,
             num_committed=num_committed,
@@ -362,6 +372,8 @@ class Engine:
             reached=state.reached + reached,
             accept_stats=accept_stats,
             depth=next_depth,
+            guess=next_guess,
+            guess_class=next_class,
         )
 
     def _choose_depth(self, accept_stats, guess_class, active, depth_costs) -> jax.Array:
@@ -400,6 +412,8 @@ class Engine:
             reached=jnp.zeros((batch_size, self.max_depth), jnp.int32),
             accept_stats=adaptive.init_stats(batch_size, self.drafter),
             depth=jnp.full((), -1 if self.drafter.variants is not None else self.max_depth, jnp.int32),
+            guess=zeros(),
+            guess_class=zeros(),
         )
 
     def admit(
@@ -475,33 +489,46 @@ class Engine:
             self._depth_costs[batch_size] = jnp.asarray(costs, jnp.float32)
         return self._depth_costs[batch_size]
 
-    def measure_depth_costs(self, batch_size: int, steps: int = 8, repeats: int = 5) -> np.ndarray:
+    def measure_depth_costs(self, batch_size: int, steps: int = 6, rounds: int = 5) -> np.ndarray:
         """Whole decode steps (draft, verify, commit, update) timed at each forced depth of an
-        adaptive drafter: [D + 1] seconds per step relative to depth 0, the median over
-        round-robin repeats, made non-decreasing in depth (a deeper chain does strictly more work;
-        an inversion is timing noise). The synthetic rows hold up to 256 tokens, a chat turn's
-        context, because verifying more tokens costs more over a longer prefix. Uses the compiled
-        decode loop itself (nothing new compiles)."""
+        adaptive drafter: [D + 1] seconds per step relative to depth 0.
+
+        Each round times `steps` steps at depths 0 .. D and then D .. 0 and divides each depth's
+        time by depth 0's, so a machine that speeds up or slows down steadily during the round
+        moves every depth alike; the cost is the median over rounds, so one disturbed round does
+        not steer it, made non-decreasing in depth (a deeper chain does strictly more work; an
+        inversion is noise). The synthetic rows hold up to 256 tokens, a chat turn's context,
+        because verifying more tokens costs more over a longer prefix. Uses the compiled decode
+        loop itself (nothing new compiles)."""
         length = max(1, min(256, self.max_len // 4))
         prompt = [int(t) for t in np.random.default_rng(0).integers(0, self.config.vocab_size, length)]
         prompts, limit = [prompt] * batch_size, self.max_len - length - self.num_nodes
         greedy = sampling_lib.SamplingParams.make(batch_size)
         depths = self.max_depth + 1
-        times: list[list[float]] = [[] for _ in range(depths)]
-        for _ in range(repeats):
-            for depth in range(depths):
-                force = jnp.full((depths,), jnp.inf).at[depth].set(1.0)  # every other depth is worth 0
-                state = self.admit(self.init_state(batch_size), range(batch_size), prompts, limit)
-                state = self._decode_jit(self.params, self.drafter_params, state, greedy, state.step + 1, force)
-                before, start = int(state.step), time.perf_counter()
-                state = self._decode_jit(self.params, self.drafter_params, state, greedy, state.step + steps, force)
-                taken = int(state.step) - before  # fewer if every row hit an EOS
-                if taken:
-                    times[depth].append((time.perf_counter() - start) / taken)
-        if not all(times):
-            raise RuntimeError("could not time every draft depth: the synthetic rows finished at once")
-        per_step = np.array([np.median(t) for t in times])
-        return np.maximum.accumulate(per_step / per_step[0])
+        forced = [jnp.full((depths,), jnp.inf).at[d].set(1.0) for d in range(depths)]  # every other depth: never
+
+        def fresh(depth):  # rows admitted and one step taken (the first step chooses nothing)
+            state = self.admit(self.init_state(batch_size), range(batch_size), prompts, limit)
+            return self._decode_jit(self.params, self.drafter_params, state, greedy, state.step + 1, forced[depth])
+
+        def seconds(depth):  # `steps` steps at `depth`, replacing rows that finished once
+            for _ in range(2):
+                before, start = int(states[depth].step), time.perf_counter()
+                states[depth] = self._decode_jit(
+                    self.params, self.drafter_params, states[depth], greedy, states[depth].step + steps, forced[depth]
+                )
+                if int(states[depth].step) - before == steps:
+                    return time.perf_counter() - start
+                states[depth] = fresh(depth)
+            raise RuntimeError(f"could not time depth {depth}: the synthetic rows finish within {steps} steps")
+
+        states = [fresh(d) for d in range(depths)]
+        ratios = []  # [rounds, D + 1]
+        for _ in range(rounds):
+            forth = [seconds(d) for d in range(depths)]
+            back = [seconds(d) for d in reversed(range(depths))][::-1]
+            ratios.append([(forth[d] + back[d]) / (forth[0] + back[0]) for d in range(depths)])
+        return np.maximum.accumulate(np.median(np.array(ratios), axis=0))
 
     # ----------------------------------------------------------------- host driver
 

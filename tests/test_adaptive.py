@@ -241,9 +241,31 @@ def test_a_postponing_head_reads_what_it_queued_as_if_it_had_read_every_step():
     assert plain.postponing(6).init_state(1, 8).backlog.tokens.shape == (1, 6) and plain.init_state(1, 8).backlog is None
 
 
+def test_measured_costs_resist_drift_and_a_disturbed_round(monkeypatch):
+    """Timed on a fake clock: steps at depth d cost true[d], the machine slows down steadily over
+    the measurement, and one round's depth-0 timings run four times slower. The per-round ratios
+    of forth-and-back timings cancel the drift and the median over rounds drops the bad round."""
+    true = np.array([1.0, 1.3, 1.5])
+    engine = Engine(CONFIG, PARAMS, AdaptiveDepth(eagle3_drafter(CONFIG, PARAMS, depth=2)), max_len=MAX_LEN)
+    clock, calls = [0.0], []
+
+    def decode(params, drafter_params, state, sampling, stop_step, costs):
+        depth = int(np.argmin(np.asarray(costs)))
+        steps = int(stop_step) - int(state.step)
+        calls.append(depth)
+        slow = 4.0 if 6 <= len(calls) <= 14 and depth == 0 else 1.0  # the first round's second half and the next
+        clock[0] += true[depth] * steps * (1.0 + 0.05 * len(calls)) * slow
+        return state.replace(step=stop_step)
+
+    monkeypatch.setattr(engine, "_decode_jit", decode)
+    monkeypatch.setattr(engine, "admit", lambda state, rows, prompts, limit: state)
+    monkeypatch.setattr("specjax.engine.time.perf_counter", lambda: clock[0])
+    np.testing.assert_allclose(engine.measure_depth_costs(2, steps=3, rounds=5), true, rtol=1e-9)
+
+
 def test_costs_are_measured_once_per_batch_size():
     engine = Engine(CONFIG, PARAMS, AdaptiveDepth(eagle3_drafter(CONFIG, PARAMS, depth=2)), max_len=MAX_LEN)
-    engine.measure_depth_costs = functools.partial(engine.measure_depth_costs, steps=2, repeats=1)  # quick
+    engine.measure_depth_costs = functools.partial(engine.measure_depth_costs, steps=2, rounds=1)  # quick
     costs = np.asarray(engine.depth_costs(2))  # whole steps timed at each forced depth
     assert costs.shape == (3,) and costs[0] == 1.0 and np.all(np.isfinite(costs)) and np.all(np.diff(costs) >= 0)
     assert engine.depth_costs(2) is engine.depth_costs(2)

@@ -49,6 +49,12 @@ def lookup_rows(ctx: StepContext, num_draft: int, max_ngram: int, min_ngram: int
     return jax.vmap(lookup, in_axes=(0, 0, None, None, None))(ctx.history, ctx.lengths, num_draft, max_ngram, min_ngram)
 
 
+def first_guess_rows(ctx: StepContext, max_ngram: int, min_ngram: int) -> tuple[jax.Array, jax.Array]:
+    """`Drafter.first_guess` of a lookup: ([B] first looked-up token, [B] matched suffix size, 0 if none)."""
+    guess, matched = lookup_rows(ctx, 1, max_ngram, min_ngram)  # [B, 1], [B]
+    return guess[:, 0], matched
+
+
 class NgramDrafter(ChainDrafter):
     """Chain of `num_draft` tokens from prompt lookup."""
 
@@ -72,8 +78,7 @@ class NgramDrafter(ChainDrafter):
         return self.max_ngram + 1  # the matched suffix's length, 0 without a match
 
     def first_guess(self, ctx: StepContext):
-        guess, matched = lookup_rows(ctx, 1, self.max_ngram, self.min_ngram)  # [B, 1], [B]
-        return guess[:, 0], matched
+        return first_guess_rows(ctx, self.max_ngram, self.min_ngram)
 
 
 METHOD = Method(

@@ -22,7 +22,7 @@ import jax.numpy as jnp
 from specjax import tree as tree_lib
 from specjax.drafters import eagle3
 from specjax.drafters.base import Drafter, Method, Wrapper, Priors, Proposal, StepContext
-from specjax.drafters.ngram import lookup_rows
+from specjax.drafters.ngram import first_guess_rows, lookup_rows
 from specjax.sampling import SamplingParams
 
 
@@ -47,8 +47,7 @@ class NgramFirst(Wrapper):
 
     def first_guess(self, ctx: StepContext):
         """The lookup's first token where the suffix matches; the fallback's needs its forwards."""
-        guess, matched = lookup_rows(ctx, 1, self.max_ngram, self.min_ngram)  # [B, 1], [B]
-        return guess[:, 0], matched
+        return first_guess_rows(ctx, self.max_ngram, self.min_ngram)
 
     def propose(self, params, state, key: jax.Array, ctx: StepContext, sampling: SamplingParams):
         batch, depth = ctx.pending.shape[0], self.max_depth
