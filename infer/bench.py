@@ -6,7 +6,8 @@ For every method and batch size: tau (tokens per verifier call, bonus included),
 draft position, decode tokens/s, speedup over autoregressive decoding at the same batch size,
 the measured cost ratios c = T_draft / T_decode and T_verify(N) / T_decode, and the fraction of
 the cost-model bound tau * T_decode / (T_verify(N) + T_draft) that the engine reaches.
-Compilation is excluded (a warm-up run first); times are medians over --repeats runs.
+Compilation is excluded (a warm-up run first); times are medians over --repeats interleaved runs, and
+the speedup is the median of each run's ratio to the autoregressive run of the same round.
 Greedy decoding by default, so every method emits the same tokens.
 """
 
@@ -109,6 +110,7 @@ def bench_batch_size(engines: dict[MethodSpec, Engine], batches, args, row_categ
             "decode_s": seconds,
             "tokens": int(tokens),
             "tokens_per_s": tokens / seconds,
+            "tokens_per_s_by_repeat": [p[1] / p[0] for p in passes[spec]],
             "tau": stats.tau,
             "block": engine.num_nodes + engine.drafter.num_aux,  # tokens in the verifying forward (the largest, if adaptive)
             "acceptance_by_position": stats.acceptance_by_position.tolist(),
@@ -126,11 +128,16 @@ def bench_batch_size(engines: dict[MethodSpec, Engine], batches, args, row_categ
 
 
 def summarise(results: list[dict]) -> None:
-    """Add speedup, cost ratios and the cost-model bound, relative to ar at the same batch size."""
+    """Add speedup, cost ratios and the cost-model bound, relative to ar at the same batch size.
+
+    The speedup is the median over repeats of each repeat's ratio to ar's pass of the same repeat
+    (the passes are interleaved), so a machine whose speed drifts between repeats moves both alike."""
     baseline = {r["batch_size"]: r for r in results if r["method"] == "ar"}
     for r in results:
         ar = baseline[r["batch_size"]]
-        r["speedup"] = r["tokens_per_s"] / ar["tokens_per_s"]
+        ratios = np.array(r["tokens_per_s_by_repeat"]) / np.array(ar["tokens_per_s_by_repeat"])
+        r["speedup_by_repeat"] = ratios.tolist()
+        r["speedup"] = float(np.median(ratios))
         r["c"] = r["t_draft_ms"] / r["t_decode_ms"]
         r["verify_over_decode"] = r["t_verify_ms"] / r["t_decode_ms"]
         draft_ms = r["t_draft_ms"] if r["method"] != "ar" else 0.0

@@ -159,6 +159,17 @@ def test_draft_flag_goes_to_one_method_or_every_drafting_method():
             bench.parse_args(["--methods", "ngram:5,eagle3:3", *argv])
 
 
+def test_bench_speedup_is_the_median_of_ratios_within_a_round():
+    """A machine twice as fast in the second round and slow for one method's third pass: each
+    round compares the method with ar's pass of the same round (ratio of medians would be 0.75)."""
+    row = lambda method, rates: {"method": method, "batch_size": 1, "tokens_per_s_by_repeat": rates, "tau": 1.0,
+                                 "adaptive": True, "t_draft_ms": 0.0, "t_decode_ms": 1.0, "t_verify_ms": 1.0}
+    results = [row("ar", [10.0, 20.0, 30.0]), row("ngram:3", [11.0, 22.0, 15.0])]
+    bench.summarise(results)
+    assert results[1]["speedup"] == pytest.approx(1.1) and results[1]["speedup_by_repeat"] == pytest.approx([1.1, 1.1, 0.5])
+    assert results[0]["speedup"] == pytest.approx(1.0)
+
+
 @pytest.mark.slow
 def test_bench_writes_table_json_and_plots(tmp_path, capsys):
     out = tmp_path / "bench.json"
