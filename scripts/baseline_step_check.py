@@ -4,7 +4,7 @@ side in one process, on real prompts; and the depth costs the engine itself meas
 At depth 0 the adaptive engine verifies the pending token alone, like plain decoding, but also
 runs the drafter's depth-0 variant inside a `lax.switch`, so it does strictly more work. At a
 depth d > 0 every step drafts and verifies d tokens: its time relative to the depth-0 step is what
-the engine prices as cost(d) from synthetic rows (`Engine.measure_depth_costs`), printed beside it.
+the engine prices as cost(d), measured on its first batch (`Engine.measure_depth_costs`), printed beside it.
 Steps per second, interleaved repeats:
 
     python scripts/baseline_step_check.py --prompts chat --batch-size 1
@@ -43,8 +43,12 @@ def forced(spec: str, depth: int) -> AdaptiveDepth:
 
 methods = args.methods.split(",")
 engines = {"ar": engine(build("ar"))} | {f"{m} at depth {d}": engine(forced(m, d)) for m in methods for d in args.depths}
-measured = {m: np.asarray(engine(build(m.replace(":", ":auto"))).depth_costs(args.batch_size)) for m in methods}
 batches = [ids[i : i + args.batch_size] for i in range(0, len(ids) - args.batch_size + 1, args.batch_size)]
+measured = {}  # the costs an adaptive engine measures on its first batch (these prompts)
+for m in methods:
+    auto = engine(build(m.replace(":", ":auto")))
+    auto.generate(batches[0], max_new_tokens=4)
+    measured[m] = np.asarray(auto.depth_costs(args.batch_size))
 passes = bench.interleaved_passes(engines, batches, SamplingParams.make(args.batch_size), 64, args.repeats)
 medians = {}
 for name, runs in passes.items():

@@ -473,56 +473,58 @@ class Engine:
         if num_steps < 1:
             raise ValueError(f"num_steps must be >= 1, got {num_steps}")
         drafter_params = self._check_drafter_params(drafter_params)
-        costs = self.depth_costs(state.pending.shape[0])
-        return self._decode_jit(self.params, drafter_params, state, sampling, state.step + num_steps, costs)
-
-    def depth_costs(self, batch_size: int) -> jax.Array:
-        """[D + 1] step time at each depth relative to depth 0, for an adaptive drafter: its own
-        fixed costs, else measured once per batch size (`measure_depth_costs`)."""
+        batch_size = state.pending.shape[0]
         if batch_size not in self._depth_costs:  # once per batch size: no transfer per decode call
             if self.drafter.variants is None:
                 costs = np.ones(1)  # unused
             elif self.drafter.costs is not None:
                 costs = self.drafter.costs
             else:
-                costs = self.measure_depth_costs(batch_size)
+                costs = self.measure_depth_costs(state, sampling, drafter_params)
             self._depth_costs[batch_size] = jnp.asarray(costs, jnp.float32)
+        costs = self._depth_costs[batch_size]
+        return self._decode_jit(self.params, drafter_params, state, sampling, state.step + num_steps, costs)
+
+    def depth_costs(self, batch_size: int) -> jax.Array:
+        """[D + 1] step time at each depth relative to depth 0 that an adaptive drafter's steps were
+        priced with at this batch size: its own fixed costs, else measured by the first `decode`
+        of a batch of this size (`measure_depth_costs`)."""
+        if batch_size not in self._depth_costs:
+            raise ValueError(f"no depth costs for batch size {batch_size} yet: they are measured by its first decode")
         return self._depth_costs[batch_size]
 
-    def measure_depth_costs(self, batch_size: int, steps: int = 6, rounds: int = 5) -> np.ndarray:
-        """Whole decode steps (draft, verify, commit, update) timed at each forced depth of an
-        adaptive drafter: [D + 1] seconds per step relative to depth 0.
+    def measure_depth_costs(
+        self, state: DecodeState, sampling: sampling_lib.SamplingParams, drafter_params=None, steps: int = 6, rounds: int = 5
+    ) -> np.ndarray:
+        """Whole decode steps (draft, verify, commit, update) of the batch `state` timed at each
+        forced depth of an adaptive drafter: [D + 1] seconds per step relative to depth 0.
 
-        Each round times `steps` steps at depths 0 .. D and then D .. 0 and divides each depth's
-        time by depth 0's, so a machine that speeds up or slows down steadily during the round
-        moves every depth alike; the cost is the median over rounds, so one disturbed round does
-        not steer it, made non-decreasing in depth (a deeper chain does strictly more work; an
-        inversion is noise). The synthetic rows hold up to 256 tokens, a chat turn's context,
-        because verifying more tokens costs more over a longer prefix. Uses the compiled decode
-        loop itself (nothing new compiles)."""
-        length = max(1, min(256, self.max_len // 4))
-        prompt = [int(t) for t in np.random.default_rng(0).integers(0, self.config.vocab_size, length)]
-        prompts, limit = [prompt] * batch_size, self.max_len - length - self.num_nodes
-        greedy = sampling_lib.SamplingParams.make(batch_size)
+        Each timing decodes `steps` steps of a copy of `state` (its rows, their contexts and
+        sampling: what the engine is about to decode, so what it will pay), with the rows' limits
+        lifted so that no row stops for its limit; `state` itself is left as it was. Each round
+        times depths 0 .. D and then D .. 0 and divides each depth's time by depth 0's, so a
+        machine that speeds up or slows down steadily during the round moves every depth alike;
+        the cost is the median over rounds, so one disturbed round does not steer it, made
+        non-decreasing in depth (a deeper chain does strictly more work; an inversion is noise).
+        Uses the compiled decode loop itself (nothing new compiles)."""
+        drafter_params = self.drafter_params if drafter_params is None else drafter_params
         depths = self.max_depth + 1
+        room = self.max_len - int(jnp.max(jnp.where(state.active, state.cache.lengths, 0))) - self.num_nodes
+        steps = min(steps, room // depths)
+        if steps < 1 or not bool(jnp.any(state.active)):
+            raise ValueError(f"cannot time draft depths on this batch: it needs an active row and {depths} free cache slots per step")
         forced = [jnp.full((depths,), jnp.inf).at[d].set(1.0) for d in range(depths)]  # every other depth: never
+        unlimited = state.num_generated + steps * depths  # [B] no row stops for its limit
 
-        def fresh(depth):  # rows admitted and one step taken (the first step chooses nothing)
-            state = self.admit(self.init_state(batch_size), range(batch_size), prompts, limit)
-            return self._decode_jit(self.params, self.drafter_params, state, greedy, state.step + 1, forced[depth])
+        def seconds(depth):
+            copy = jax.tree.map(jnp.copy, state.replace(max_new=unlimited, depth=jnp.int32(depth)))  # decode donates it
+            jax.block_until_ready(copy)
+            start = time.perf_counter()
+            copy = self._decode_jit(self.params, drafter_params, copy, sampling, copy.step + steps, forced[depth])
+            taken = int(copy.step) - int(state.step)  # fewer where every row met an EOS
+            return (time.perf_counter() - start) / taken
 
-        def seconds(depth):  # `steps` steps at `depth`, replacing rows that finished once
-            for _ in range(2):
-                before, start = int(states[depth].step), time.perf_counter()
-                states[depth] = self._decode_jit(
-                    self.params, self.drafter_params, states[depth], greedy, states[depth].step + steps, forced[depth]
-                )
-                if int(states[depth].step) - before == steps:
-                    return time.perf_counter() - start
-                states[depth] = fresh(depth)
-            raise RuntimeError(f"could not time depth {depth}: the synthetic rows finish within {steps} steps")
-
-        states = [fresh(d) for d in range(depths)]
+        seconds(0)  # compiles the loop for this batch, if nothing has yet
         ratios = []  # [rounds, D + 1]
         for _ in range(rounds):
             forth = [seconds(d) for d in range(depths)]

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import functools
 
 import jax.numpy as jnp
 import numpy as np
@@ -243,32 +242,47 @@ def test_a_postponing_head_reads_what_it_queued_as_if_it_had_read_every_step():
 
 def test_measured_costs_resist_drift_and_a_disturbed_round(monkeypatch):
     """Timed on a fake clock: steps at depth d cost true[d], the machine slows down steadily over
-    the measurement, and one round's depth-0 timings run four times slower. The per-round ratios
-    of forth-and-back timings cancel the drift and the median over rounds drops the bad round."""
+    the measurement, and two rounds' depth-0 timings run four times slower. The per-round ratios
+    of forth-and-back timings cancel the drift and the median over rounds drops the bad rounds."""
     true = np.array([1.0, 1.3, 1.5])
     engine = Engine(CONFIG, PARAMS, AdaptiveDepth(eagle3_drafter(CONFIG, PARAMS, depth=2)), max_len=MAX_LEN)
     clock, calls = [0.0], []
 
     def decode(params, drafter_params, state, sampling, stop_step, costs):
         depth = int(np.argmin(np.asarray(costs)))
-        steps = int(stop_step) - int(state.step)
+        assert int(state.depth) == depth  # the first step runs at the forced depth too
         calls.append(depth)
-        slow = 4.0 if 6 <= len(calls) <= 14 and depth == 0 else 1.0  # the first round's second half and the next
-        clock[0] += true[depth] * steps * (1.0 + 0.05 * len(calls)) * slow
+        slow = 4.0 if 6 <= len(calls) <= 12 and depth == 0 else 1.0  # rounds 1 and 2 (call 1 compiles)
+        clock[0] += true[depth] * (int(stop_step) - int(state.step)) * (1.0 + 0.05 * len(calls)) * slow
         return state.replace(step=stop_step)
 
     monkeypatch.setattr(engine, "_decode_jit", decode)
-    monkeypatch.setattr(engine, "admit", lambda state, rows, prompts, limit: state)
     monkeypatch.setattr("specjax.engine.time.perf_counter", lambda: clock[0])
-    np.testing.assert_allclose(engine.measure_depth_costs(2, steps=3, rounds=5), true, rtol=1e-9)
+    state = engine.init_state(2).replace(active=jnp.array([True, False]))
+    costs = engine.measure_depth_costs(state, SamplingParams.make(2), steps=3, rounds=5)
+    np.testing.assert_allclose(costs, true, rtol=1e-9)
+    assert len(calls) == 1 + 5 * 2 * 3
 
 
-def test_costs_are_measured_once_per_batch_size():
+def test_costs_are_measured_on_the_first_batch_of_each_size_which_decodes_as_if_unmeasured(autoregressive):
     engine = Engine(CONFIG, PARAMS, AdaptiveDepth(eagle3_drafter(CONFIG, PARAMS, depth=2)), max_len=MAX_LEN)
-    engine.measure_depth_costs = functools.partial(engine.measure_depth_costs, steps=2, rounds=1)  # quick
+    measured, measure = [], engine.measure_depth_costs
+
+    def quick(state, sampling, drafter_params=None):
+        measured.append(state.pending.shape[0])
+        return measure(state, sampling, drafter_params, steps=2, rounds=1)
+
+    engine.measure_depth_costs = quick
+    with pytest.raises(ValueError, match="measured by its first decode"):
+        engine.depth_costs(2)
+    first = engine.generate(PROMPTS[:2], max_new_tokens=engine_tests.NEW_TOKENS)
+    assert first.tokens == autoregressive[:2]  # the timed copies left the batch as it was
+    engine.generate(PROMPTS[2:4], max_new_tokens=engine_tests.NEW_TOKENS)
+    assert measured == [2]
     costs = np.asarray(engine.depth_costs(2))  # whole steps timed at each forced depth
     assert costs.shape == (3,) and costs[0] == 1.0 and np.all(np.isfinite(costs)) and np.all(np.diff(costs) >= 0)
-    assert engine.depth_costs(2) is engine.depth_costs(2)
+    with pytest.raises(ValueError, match="needs an active row"):
+        measure(engine.init_state(2), SamplingParams.make(2))
     with pytest.raises(ValueError, match="one entry per depth 0 .. 2"):
         AdaptiveDepth(eagle3_drafter(CONFIG, PARAMS, depth=2), costs=[1.0, 1.5])
 

@@ -15,9 +15,10 @@ for the coming step, so a row drafts where its text repeats and not elsewhere. A
 drafts then emits E_b(d) = 1 + a_b1 + a_b1 a_b2 + ... + a_b1 ... a_bd tokens. While a row does
 not draft, its guess is checked against the token sampled (position 1 of its class); without a
 guess its counts drift back to the prior, so it tries again now and then. The cost of a step at
-depth d, relative to a step at depth 0, is measured on this engine at this batch size: whole
-steps of the compiled loop, each depth forced in turn (`Engine.measure_depth_costs`), so every
-overhead of drafting, verifying and committing is priced. The batch takes
+depth d, relative to a step at depth 0, is measured on this engine at this batch size, on the
+first batch it decodes: whole steps of the compiled loop over copies of that batch, each depth
+forced in turn (`Engine.measure_depth_costs`), so every overhead of drafting, verifying and
+committing is priced on the rows being served. The batch takes
 argmax_d sum_b E_b(d) / cost(d), where drafting must beat depth 0 by a margin: verifying costs
 per block, not per row, so one depth serves every row. The choice depends only on the past, so
 every step stays exact.
@@ -50,10 +51,9 @@ IDLE_DECAY = 0.98
 #: k - 1, so a position the chain has not reached yet is priced like the one before it (a right
 #: chain stays long).
 PRIOR = (0.7, 1.0)
-#: Drafting must promise this much more than plain decoding per unit of time. The costs are
-#: measured on synthetic rows, and on real chat rows a drafted step costs up to 10% more than
-#: that (`scripts/baseline_step_check.py --depths`); the estimates are noisy besides, and a step
-#: that drafts at break-even gains nothing while one that misjudges loses.
+#: Drafting must promise this much more than plain decoding per unit of time: the estimates are
+#: noisy, a batch drafts when they read high (so its drafting steps realise less than they
+#: promised), and a step that drafts at break-even gains nothing while one that misjudges loses.
 MARGIN = 1.15
 #: Steps at depth 0 in a row for which a drafter may leave what was committed unread
 #: (`Drafter.postponing`): it catches up in one read of this width, not one per step.
