@@ -8,18 +8,18 @@ mkdir -p results
 # Plain decoding's step against adaptive engines forced to draft nothing (strictly more work).
 python scripts/baseline_step_check.py --prompts chat --batch-size 1 --repeats 9 | tee results/baseline_step_check_chat_b1.txt
 # The same at depths 1 and 3 on real chat rows at batch 4, beside the costs the engine measures (adaptive.MARGIN).
-python scripts/baseline_step_check.py --prompts chat --batch-size 4 --depths 0,1,3 --repeats 5 | tee results/baseline_step_check_chat_b4.txt
+python scripts/baseline_step_check.py --prompts chat --batch-size 4 --depths 0,1,3 --repeats 3 | tee results/baseline_step_check_chat_b4.txt
 # How often the first n-gram guess is right, by match length (why adaptive rows are priced per guess class).
 python scripts/ngram_guess_accuracy.py --prompts chat --num-prompts 8 | tee results/ngram_guess_accuracy_chat.txt
 python scripts/ngram_guess_accuracy.py --prompts mt-bench --num-prompts 16 | tee results/ngram_guess_accuracy_mtbench.txt
 # Adaptive draft length on open chat (built-in set, MT-bench) and beside the fixed chains on code.
 AUTO=ar,ngram:auto5,eagle3:auto3,eagle3+ngram:auto3
-python -m infer.bench --methods $AUTO --batch-size 1,4 --prompts chat --num-prompts 8 --max-new-tokens 64 \
+python -m infer.bench --methods $AUTO --batch-size 1,4 --prompts chat --num-prompts 8 --max-new-tokens 64 --repeats 5 \
     --out results/bench_auto_chat.json | tee results/bench_auto_chat.txt
-python -m infer.bench --methods $AUTO --batch-size 1,4 --prompts mt-bench --num-prompts 16 --max-new-tokens 64 \
+python -m infer.bench --methods $AUTO --batch-size 1,4 --prompts mt-bench --num-prompts 16 --max-new-tokens 64 --repeats 3 \
     --out results/bench_auto_mtbench.json | tee results/bench_auto_mtbench.txt
 python -m infer.bench --methods ar,eagle3+ngram:2,eagle3+ngram:3,eagle3+ngram:4,eagle3+ngram:5,eagle3+ngram:auto3,eagle3+ngram:auto5 \
-    --batch-size 1 --prompts code --num-prompts 8 --max-new-tokens 64 --out results/bench_auto_code.json | tee results/bench_auto_code.txt
+    --batch-size 1 --prompts code --num-prompts 8 --max-new-tokens 64 --repeats 3 --out results/bench_auto_code.json | tee results/bench_auto_code.txt
 # Self-distillation and TTT step throughput against the code before continuous batching and the blockwise head.
 python scripts/training_throughput.py distill --baseline ffdb866 | tee results/distill_throughput.txt
 python scripts/training_throughput.py ttt --baseline ffdb866 | tee results/ttt_throughput.txt
