@@ -9,7 +9,6 @@ verifier calls of each row and of the batch (its slowest row), beside plain deco
         --method ngram:auto5 --costs 1,1.24,1.49,1.64,1.81,1.95
 """
 
-
 from infer import common
 from infer import prompts as prompt_sets
 from specjax.drafters.adaptive import AdaptiveDepth
