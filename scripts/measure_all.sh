@@ -9,6 +9,7 @@ mkdir -p results
 python scripts/baseline_step_check.py --prompts chat --batch-size 1 --repeats 9 | tee results/baseline_step_check_chat_b1.txt
 # The same at depths 1 and 3 on real chat rows at batch 4, beside the costs the engine measures (adaptive.MARGIN).
 python scripts/baseline_step_check.py --prompts chat --batch-size 4 --depths 0,1,3 --repeats 3 | tee results/baseline_step_check_chat_b4.txt
+python scripts/baseline_step_check.py --prompts chat --batch-size 4 --repeats 7 | tee results/baseline_step_check_chat_b4_depth0.txt
 # How often the first n-gram guess is right, by match length (why adaptive rows are priced per guess class).
 python scripts/ngram_guess_accuracy.py --prompts chat --num-prompts 8 | tee results/ngram_guess_accuracy_chat.txt
 python scripts/ngram_guess_accuracy.py --prompts mt-bench --num-prompts 16 | tee results/ngram_guess_accuracy_mtbench.txt
