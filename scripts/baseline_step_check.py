@@ -15,6 +15,7 @@ import numpy as np
 
 from infer import bench, common
 from infer import prompts as prompt_sets
+from specjax.drafters import adaptive
 from specjax.drafters.adaptive import AdaptiveDepth
 from specjax.drafters.registry import MethodSpec
 from specjax.engine import Engine
@@ -38,7 +39,7 @@ engine = lambda drafter: Engine(config, params, drafter, max_len=args.max_len, e
 
 def forced(spec: str, depth: int) -> AdaptiveDepth:
     drafter = build(spec)
-    return AdaptiveDepth(drafter, costs=[1.0 if d == depth else np.inf for d in range(drafter.max_depth + 1)])
+    return AdaptiveDepth(drafter, costs=adaptive.forcing_costs(depth, drafter.max_depth))
 
 
 methods = args.methods.split(",")

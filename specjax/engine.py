@@ -507,13 +507,13 @@ class Engine:
         the cost is the median over rounds, so one disturbed round does not steer it, made
         non-decreasing in depth (a deeper chain does strictly more work; an inversion is noise).
         Uses the compiled decode loop itself (nothing new compiles)."""
-        drafter_params = self.drafter_params if drafter_params is None else drafter_params
+        drafter_params = self._check_drafter_params(drafter_params)
         depths = self.max_depth + 1
         room = self.max_len - int(jnp.max(jnp.where(state.active, state.cache.lengths, 0))) - self.num_nodes
         steps = min(steps, room // depths)
         if steps < 1 or not bool(jnp.any(state.active)):
             raise ValueError(f"cannot time draft depths on this batch: it needs an active row and {depths} free cache slots per step")
-        forced = [jnp.full((depths,), jnp.inf).at[d].set(1.0) for d in range(depths)]  # every other depth: never
+        forced = [jnp.asarray(adaptive.forcing_costs(d, self.max_depth)) for d in range(depths)]
         unlimited = state.num_generated + steps * depths  # [B] no row stops for its limit
 
         def seconds(depth):

@@ -60,6 +60,11 @@ MARGIN = 1.15
 POSTPONE_STEPS = 16
 
 
+def forcing_costs(depth: int, max_depth: int) -> np.ndarray:
+    """[D + 1] costs under which `choose_depth` always picks `depth`: every other depth costs inf."""
+    return np.where(np.arange(max_depth + 1) == depth, 1.0, np.inf).astype(np.float32)
+
+
 def init_stats(batch_size: int, drafter: Drafter) -> jax.Array:
     """[B, C, D, 2] zero counts: (accepted, tried) per row, guess class and chain position."""
     return jnp.zeros((batch_size, drafter.guess_classes, drafter.max_depth, 2), jnp.float32)
