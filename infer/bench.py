@@ -84,7 +84,7 @@ def tau_by_category(accepted_hist: np.ndarray, row_categories: list[str]) -> dic
     taus = {}
     for category in dict.fromkeys(row_categories):
         rows = accepted_hist[[c == category for c in row_categories]]
-        taus[category] = Stats(accepted_hist=rows, reached=np.zeros((len(rows), 0)), prefill_s=0.0, decode_s=0.0, tokens=[]).tau
+        taus[category] = Stats(accepted_hist=rows, reached=np.zeros((len(rows), 0)), steps_by_depth=np.zeros(0), prefill_s=0.0, decode_s=0.0, tokens=[]).tau
     return taus
 
 
@@ -101,6 +101,7 @@ def bench_batch_size(engines: dict[MethodSpec, Engine], batches, args, row_categ
         _, tokens, runs = passes[spec][-1]
         stats = Stats(  # the last pass's batches as one
             accepted_hist=np.concatenate([r.accepted_hist for r in runs]), reached=np.concatenate([r.reached for r in runs]),
+            steps_by_depth=np.sum([r.steps_by_depth for r in runs], axis=0),
             prefill_s=0.0, decode_s=seconds, tokens=[t for r in runs for t in r.tokens],
         )
         timings = engine.profile_step(batches[0], sampling)
@@ -115,6 +116,7 @@ def bench_batch_size(engines: dict[MethodSpec, Engine], batches, args, row_categ
             "block": engine.num_nodes + engine.drafter.num_aux,  # tokens in the verifying forward (the largest, if adaptive)
             "acceptance_by_position": stats.acceptance_by_position.tolist(),
             "drafting_share": stats.drafting_share,  # verifier calls that verified drafts (adaptive: below 1)
+            "steps_by_depth": stats.steps_by_depth.tolist(),  # the batches' decode steps at each draft depth
             "adaptive": engine.drafter.variants is not None,
             "t_decode_ms": timings["decode"] * 1e3,
             "t_verify_ms": timings["verify"] * 1e3,

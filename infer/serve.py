@@ -398,7 +398,7 @@ class Scheduler:
         if self.running:
             # Right after an admission one step only, so the new request's first token streams at once.
             steps = 1 if admitted else self.options.steps_per_sync
-            self.state = self.engine.decode(self.state, self.sampling, steps)
+            self.state = self.engine.decode(self.state, self.sampling, steps, refills=self.options.schedule == "continuous")
             self._collect()
 
     def _pop_group(self) -> list[GenRequest]:

@@ -1,19 +1,25 @@
-"""How many steps a static batch takes when its rows speculate: the batch runs until its slowest
-row is done, so tokens gained by a row that finishes early anyway save no step.
+"""How many steps, and how much modelled time, a static batch takes when its rows speculate: the
+batch runs until its slowest row is done, so tokens gained by a row that finishes early anyway
+save no step, while every drafting step costs the whole batch.
 
-For each adaptive method (its depth costs fixed to the ones given, so nothing is timed and the
-run is reproducible), decodes the prompt set in static batches and prints, per batch, the
-verifier calls of each row and of the batch (its slowest row), beside plain decoding's:
+For one adaptive method (its depth costs fixed to the ones given, so nothing is timed and the run
+is reproducible), decodes the prompt set in static batches twice: priced as a static batch (what
+`Engine.generate` does) and priced as if finished rows were refilled (what a server does). Prints,
+per batch, the verifier calls of each row and of the batch (its slowest row), and its modelled
+time, sum over steps of cost(depth), beside plain decoding's steps:
 
     python scripts/static_batch_steps.py --prompts mt-bench --num-prompts 16 --batch-size 4 \
         --method ngram:auto5 --costs 1,1.24,1.49,1.64,1.81,1.95
 """
+
+import numpy as np
 
 from infer import common
 from infer import prompts as prompt_sets
 from specjax.drafters.adaptive import AdaptiveDepth
 from specjax.drafters.registry import MethodSpec
 from specjax.engine import Engine
+from specjax.sampling import SamplingParams
 
 parser = common.parser("static_batch_steps.py", __doc__)
 common.add_model_args(parser)
@@ -28,22 +34,39 @@ args = parser.parse_args()
 config, params, tok = common.load_target(args)
 ids = prompt_sets.token_ids(tok, args.prompts, args.num_prompts)
 spec = MethodSpec.parse(args.method.replace(":auto", ":"))
-engines = {
-    "ar": Engine(config, params, common.build_drafter(MethodSpec.parse("ar"), args, config, params), max_len=args.max_len, eos_ids=tok.eos_token_ids),
-    args.method: Engine(
-        config, params, AdaptiveDepth(common.build_drafter(spec, args, config, params), costs=args.costs),
-        max_len=args.max_len, eos_ids=tok.eos_token_ids,
-    ),
-}
-totals = {name: [0, 0.0] for name in engines}  # batch steps, mean row calls
+plain = Engine(config, params, common.build_drafter(MethodSpec.parse("ar"), args, config, params), max_len=args.max_len, eos_ids=tok.eos_token_ids)
+engine = Engine(
+    config, params, AdaptiveDepth(common.build_drafter(spec, args, config, params), costs=args.costs),
+    max_len=args.max_len, eos_ids=tok.eos_token_ids,
+)
+costs, sampling = np.asarray(args.costs), SamplingParams.make(args.batch_size)
+
+
+def run(batch, refills):
+    """(verifier calls per row [B], modelled time) of one static batch priced as `refills` says."""
+    state = engine.admit(engine.init_state(len(batch)), range(len(batch)), batch, args.max_new_tokens)
+    state = engine.decode(state, sampling, args.max_new_tokens, refills=refills)
+    return np.asarray(state.accepted_hist).sum(-1), float(np.asarray(state.steps_by_depth) @ costs)
+
+
+totals = {"plain": 0.0, "static": [0, 0.0, 0.0], "refilled": [0, 0.0, 0.0]}  # batch steps, mean row calls, time
+ar_calls = 0.0
 for start in range(0, len(ids) - args.batch_size + 1, args.batch_size):
     batch = ids[start : start + args.batch_size]
-    line = []
-    for name, engine in engines.items():
-        calls = engine.generate(batch, max_new_tokens=args.max_new_tokens).calls  # [B]
+    calls = plain.generate(batch, max_new_tokens=args.max_new_tokens).calls
+    totals["plain"] += int(calls.max())
+    ar_calls += float(calls.mean())
+    line = [f"ar: rows {' '.join(f'{int(c):3d}' for c in calls)}  batch {int(calls.max()):3d}"]
+    for name in ("static", "refilled"):
+        calls, time = run(batch, name == "refilled")
         totals[name][0] += int(calls.max())
         totals[name][1] += float(calls.mean())
-        line.append(f"{name}: rows {' '.join(f'{int(c):3d}' for c in calls)}  batch {int(calls.max()):3d}")
+        totals[name][2] += time
+        line.append(f"priced {name}: rows {' '.join(f'{int(c):3d}' for c in calls)}  batch {int(calls.max()):3d}  time {time:5.1f}")
     print(f"prompts {start:2d}-{start + args.batch_size - 1:2d}   " + "   |   ".join(line))
-(ar_steps, ar_mean), (steps, mean) = totals["ar"], totals[args.method]
-print(f"{args.method}: row calls {mean / ar_mean:.2f}x of plain decoding's, batch steps {steps / ar_steps:.2f}x")
+for name in ("static", "refilled"):
+    steps, mean, time = totals[name]
+    print(
+        f"{args.method} priced {name}: row calls {mean / ar_calls:.2f}x of plain decoding's, batch steps "
+        f"{steps / totals['plain']:.2f}x, modelled time {time / totals['plain']:.2f}x (speedup {totals['plain'] / time:.2f}x)"
+    )

@@ -82,6 +82,7 @@ class DecodeState:
     reached: jax.Array  # [B, D] verifier calls that verified draft position i
     accept_stats: jax.Array  # [B, C, D, 2] decayed (accepted, tried) per guess class and position (adaptive depth)
     depth: jax.Array  # [] the next step's draft depth, chosen at the end of the step before (-1: choose then)
+    steps_by_depth: jax.Array  # [D + 1] the batch's decode steps at each draft depth
     guess: jax.Array  # [B] the drafter's first guess for the next step (`Drafter.first_guess`, adaptive depth)
     guess_class: jax.Array  # [B] its class, 0: no guess
 
@@ -92,6 +93,7 @@ class Stats:
 
     accepted_hist: np.ndarray  # [B, D + 1] verifier calls by number of accepted drafts
     reached: np.ndarray  # [B, D] verifier calls that verified draft position i
+    steps_by_depth: np.ndarray  # [D + 1] the batch's decode steps at each draft depth
     prefill_s: float
     decode_s: float
     tokens: list[list[int]]
@@ -180,7 +182,7 @@ class Engine:
         for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(two), jax.tree.leaves(three)):
             differ = [i for i, (x, y) in enumerate(zip(a.shape, b.shape)) if x != y]
             name = jax.tree_util.keystr(path)
-            if name in (".step", ".depth"):
+            if name in (".step", ".depth", ".steps_by_depth"):
                 axes.append(None)
             elif len(differ) == 1 and a.ndim == b.ndim:
                 axes.append(differ[0])
@@ -303,7 +305,7 @@ class Engine:
         proposal = Proposal(tree=tree_lib.chain(tokens.shape[0], self.max_depth), tokens=tokens)
         return state.drafter_state, proposal, out, {}, verdict
 
-    def _step(self, params, drafter_params, state: DecodeState, sampling, depth_costs) -> DecodeState:
+    def _step(self, params, drafter_params, state: DecodeState, sampling, depth_costs, refills) -> DecodeState:
         # Per-row keys, advanced by the row's own verifier calls: a row's draws do not depend on
         # its slot, its batch or the step at which it was admitted.
         keys = jax.vmap(jax.random.fold_in)(state.keys, state.accepted_hist.sum(-1))  # [B]
@@ -313,7 +315,8 @@ class Engine:
         adaptive_depth = self.drafter.variants is not None
         if adaptive_depth:
             guess, guess_class = state.guess, state.guess_class  # [B], [B] found at the end of the step before
-            chosen = self._choose_depth(state.accept_stats, guess_class, state.active, depth_costs)
+            remaining = state.max_new - state.num_generated  # [B]
+            chosen = self._choose_depth(state.accept_stats, guess_class, state.active, remaining, depth_costs, refills)
             depth = jnp.where(state.depth >= 0, state.depth, chosen)
             drafter_state, proposal, out, aux, verdict = self._adaptive_draft_and_verify(
                 params, drafter_params, state, keys, ctx, sampling, depth
@@ -342,7 +345,7 @@ class Engine:
             # The next step's depth is chosen now, so that the drafter knows whether it will draft.
             next_ctx = StepContext(pending=pending, lengths=ctx.lengths + num_committed, history=history, active=active)
             next_guess, next_class = self.drafter.first_guess(next_ctx)
-            next_depth = self._choose_depth(accept_stats, next_class, active, depth_costs)
+            next_depth = self._choose_depth(accept_stats, next_class, active, state.max_new - num_generated, depth_costs, refills)
         commit = Commit(
             accepted=accepted,
             num_committed=num_committed,
@@ -368,6 +371,7 @@ class Engine:
             active=active,
             drafter_state=self.drafter.update(drafter_params, drafter_state, ctx, proposal, commit, out.features, **aux),
             step=state.step + 1,
+            steps_by_depth=state.steps_by_depth.at[depth].add(1),
             accepted_hist=state.accepted_hist + hist_update,
             reached=state.reached + reached,
             accept_stats=accept_stats,
@@ -376,17 +380,20 @@ class Engine:
             guess_class=next_class,
         )
 
-    def _choose_depth(self, accept_stats, guess_class, active, depth_costs) -> jax.Array:
-        return adaptive.choose_depth(accept_stats, guess_class, active, depth_costs, self.drafter.drafts_without_guess)
+    def _choose_depth(self, accept_stats, guess_class, active, remaining, depth_costs, refills) -> jax.Array:
+        return adaptive.choose_depth(
+            accept_stats, guess_class, active, remaining, depth_costs, refills, self.drafter.drafts_without_guess
+        )
 
-    def _decode(self, params, drafter_params, state: DecodeState, sampling, stop_step, depth_costs) -> DecodeState:
+    def _decode(self, params, drafter_params, state: DecodeState, sampling, stop_step, depth_costs, refills) -> DecodeState:
         """Decode until every row is done or `stop_step` steps were taken (no host sync inside).
 
         An adaptive drafter's step runs at the depth `adaptive.choose_depth` picked at the end of
-        the step before, from the rows' acceptance so far and depth_costs [D + 1]."""
+        the step before, from the rows' acceptance so far, depth_costs [D + 1] and whether the
+        caller refills finished rows (refills [], traced: both schedules share one compilation)."""
         return jax.lax.while_loop(
             lambda s: jnp.any(s.active) & (s.step < stop_step),
-            lambda s: self._step(params, drafter_params, s, sampling, depth_costs),
+            lambda s: self._step(params, drafter_params, s, sampling, depth_costs, refills),
             state,
         )
 
@@ -412,6 +419,7 @@ class Engine:
             reached=jnp.zeros((batch_size, self.max_depth), jnp.int32),
             accept_stats=adaptive.init_stats(batch_size, self.drafter),
             depth=jnp.full((), -1 if self.drafter.variants is not None else self.max_depth, jnp.int32),
+            steps_by_depth=jnp.zeros((self.max_depth + 1,), jnp.int32),
             guess=zeros(),
             guess_class=zeros(),
         )
@@ -464,12 +472,18 @@ class Engine:
                     history=history_dev,
                 ),
             )
-        if rows == list(range(batch)):  # the whole batch: nothing of `state` is kept but its step count
-            return new.replace(step=state.step)
+        if rows == list(range(batch)):  # the whole batch: nothing of `state` is kept but its step counts
+            return new.replace(step=state.step, steps_by_depth=state.steps_by_depth)
         return self._place_jit(state, new, jnp.asarray(rows, jnp.int32))
 
-    def decode(self, state: DecodeState, sampling: sampling_lib.SamplingParams, num_steps: int, drafter_params=None) -> DecodeState:
-        """Up to `num_steps` decode steps on device (fewer when every row finishes); donates `state`."""
+    def decode(
+        self, state: DecodeState, sampling: sampling_lib.SamplingParams, num_steps: int, drafter_params=None, *, refills: bool = False
+    ) -> DecodeState:
+        """Up to `num_steps` decode steps on device (fewer when every row finishes); donates `state`.
+
+        refills: whether the caller puts a new request into a row's slot as soon as it finishes
+        (continuous batching) rather than waiting for the whole batch (static); an adaptive
+        drafter prices its draft depth accordingly (`adaptive.choose_depth`)."""
         if num_steps < 1:
             raise ValueError(f"num_steps must be >= 1, got {num_steps}")
         drafter_params = self._check_drafter_params(drafter_params)
@@ -483,7 +497,7 @@ class Engine:
                 costs = self.measure_depth_costs(state, sampling, drafter_params)
             self._depth_costs[batch_size] = jnp.asarray(costs, jnp.float32)
         costs = self._depth_costs[batch_size]
-        return self._decode_jit(self.params, drafter_params, state, sampling, state.step + num_steps, costs)
+        return self._decode_jit(self.params, drafter_params, state, sampling, state.step + num_steps, costs, jnp.asarray(refills))
 
     def depth_costs(self, batch_size: int) -> jax.Array:
         """[D + 1] step time at each depth relative to depth 0 that an adaptive drafter's steps were
@@ -520,7 +534,7 @@ class Engine:
             copy = jax.tree.map(jnp.copy, state.replace(max_new=unlimited, depth=jnp.int32(depth)))  # decode donates it
             jax.block_until_ready(copy)
             start = time.perf_counter()
-            copy = self._decode_jit(self.params, drafter_params, copy, sampling, copy.step + steps, forced[depth])
+            copy = self._decode_jit(self.params, drafter_params, copy, sampling, copy.step + steps, forced[depth], jnp.asarray(False))
             taken = int(copy.step) - int(state.step)  # fewer where every row met an EOS
             return (time.perf_counter() - start) / taken
 
@@ -612,6 +626,7 @@ class Engine:
         t2 = time.perf_counter()
         return Stats(
             accepted_hist=np.asarray(state.accepted_hist), reached=np.asarray(state.reached),
+            steps_by_depth=np.asarray(state.steps_by_depth),
             prefill_s=t1 - t0, decode_s=t2 - t1, tokens=tokens,
         )
 

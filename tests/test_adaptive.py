@@ -15,7 +15,7 @@ from specjax.drafters.base import ChainDrafter, Commit, Proposal
 from specjax.drafters.draft_model import DraftModelDrafter
 from specjax.drafters.ngram import NgramDrafter
 from specjax.drafters.registry import MethodSpec
-from specjax.engine import Engine
+from specjax.engine import Engine, Stats
 from specjax.models import llama
 from specjax.sampling import SamplingParams
 from specjax.tree import causal_mask
@@ -31,11 +31,15 @@ def stats_for(alphas, weight=50.0, depth=4, classes=1):
     return jnp.asarray(np.broadcast_to(counts, (len(alphas), classes, depth, 2)))
 
 
-def choose(stats, costs, active=None, guess_class=None, drafts_without_guess=True):
+def choose(stats, costs, active=None, guess_class=None, drafts_without_guess=True, remaining=None, refills=True):
+    """The depth chosen for a refilled batch (default) or a static one; rows have 1000 tokens to go."""
     batch = stats.shape[0]
     active = jnp.ones(batch, bool) if active is None else active
     guess_class = jnp.zeros(batch, jnp.int32) if guess_class is None else jnp.asarray(guess_class, jnp.int32)
-    return int(adaptive.choose_depth(stats, guess_class, active, jnp.asarray(costs), drafts_without_guess))
+    remaining = jnp.full(batch, 1000) if remaining is None else jnp.asarray(remaining, jnp.int32)
+    return int(adaptive.choose_depth(
+        stats, guess_class, active, remaining, jnp.asarray(costs), jnp.asarray(refills), drafts_without_guess
+    ))
 
 
 def test_choose_depth_prices_expected_tokens_against_cost():
@@ -48,6 +52,34 @@ def test_choose_depth_prices_expected_tokens_against_cost():
     assert choose(stats_for([0.02, 0.99]), costs, active=jnp.array([True, False])) == 0
     # Free verification (flat costs): an acceptance worth the margin pays for the whole chain.
     assert choose(stats_for([0.2, 0.2]), np.ones(5)) == 4
+
+
+def test_a_static_batch_drafts_only_where_its_slowest_row_gains():
+    """Row 0's drafts are right, row 1's wrong. Refilled, every token row 0 gains is work done; in a
+    static batch row 0 would only wait for row 1, unless row 0 is the one with most to go."""
+    stats, costs = stats_for([0.9, 0.02]), [1.0, 1.1, 1.2, 1.3, 1.4]
+    assert choose(stats, costs, remaining=[50, 50]) == 4
+    assert choose(stats, costs, remaining=[50, 50], refills=False) == 0
+    assert choose(stats, costs, remaining=[50, 10], refills=False) == 4
+    # Finished rows do not count, however much they had to go.
+    assert choose(stats, costs, remaining=[50, 90], refills=False, active=jnp.array([True, False])) == 4
+
+
+def test_one_row_is_priced_alike_static_or_refilled():
+    rng = np.random.default_rng(0)
+    for _ in range(50):
+        stats = stats_for(rng.uniform(0, 1, 1), depth=4)
+        costs = np.concatenate([[1.0], np.sort(rng.uniform(1.0, 2.5, 4))])
+        remaining = [int(rng.integers(1, 8))]
+        assert choose(stats, costs, remaining=remaining) == choose(stats, costs, remaining=remaining, refills=False)
+
+
+def test_a_row_is_never_priced_beyond_its_remaining_budget():
+    good, costs = stats_for([0.99]), [1.0, 1.1, 1.2, 1.3, 1.4]  # near-certain drafts
+    for refills in (True, False):
+        assert choose(good, costs, remaining=[1], refills=refills) == 0  # one token left: nothing to draft
+        assert choose(good, costs, remaining=[2], refills=refills) == 1  # a longer chain emits no more
+        assert choose(good, costs, remaining=[9], refills=refills) == 4
 
 
 def test_expected_tokens_follow_acceptance_by_position():
@@ -161,7 +193,9 @@ def test_the_engine_drafts_long_where_drafts_are_right_and_backs_off_where_wrong
     right = Engine(CONFIG, PARAMS, AdaptiveDepth(OracleChain(3), costs=ADAPTIVE_COSTS), max_len=MAX_LEN)
     stats = right.generate(PROMPTS, max_new_tokens=engine_tests.NEW_TOKENS)
     assert stats.tokens == autoregressive
-    assert stats.drafting_share == 1.0 and stats.tau > 3.5  # every step at the full depth (the last ones cut short)
+    # Every step drafts (the first at the prior's depth) but a last one with one token to go.
+    np.testing.assert_array_equal(stats.reached[:, 0], stats.calls - 1)
+    assert stats.tau > 3.5
     # A random EAGLE-3 head is never right: the rows stop drafting, only probing now and then.
     wrong = engine_tests.engine_for("eagle3-auto").generate(PROMPTS, max_new_tokens=engine_tests.NEW_TOKENS)
     assert wrong.tokens == autoregressive and wrong.tau == 1.0
@@ -169,12 +203,40 @@ def test_the_engine_drafts_long_where_drafts_are_right_and_backs_off_where_wrong
     np.testing.assert_array_equal(wrong.acceptance_by_position, 0.0)
 
 
+class HalfOracle(OracleChain):
+    """The oracle for row 0; every other row's drafts are wrong."""
+
+    def propose(self, params, state, key, ctx, sampling):
+        state, proposal = super().propose(params, state, key, ctx, sampling)
+        wrong = (proposal.tokens + 1) % CONFIG.vocab_size
+        keep = (jnp.arange(proposal.tokens.shape[0]) == 0)[:, None] | (jnp.arange(proposal.tokens.shape[1]) == 0)[None, :]
+        return state, proposal.replace(tokens=jnp.where(keep, proposal.tokens, wrong))
+
+
+def test_a_static_batch_stops_drafting_for_one_row_a_refilled_one_does_not(autoregressive):
+    """Rows 0 and 1 share a budget; only row 0's drafts are right. `generate` (static) soon stops
+    drafting, since row 1 sets the batch's finish; decoding for a caller that refills slots keeps
+    drafting for row 0. Both emit plain decoding's tokens."""
+    engine = Engine(CONFIG, PARAMS, AdaptiveDepth(HalfOracle(3), costs=ADAPTIVE_COSTS), max_len=MAX_LEN)
+    static = engine.generate(PROMPTS[:2], max_new_tokens=engine_tests.NEW_TOKENS)
+    state = engine.admit(engine.init_state(2), [0, 1], PROMPTS[:2], engine_tests.NEW_TOKENS)
+    state = engine.decode(state, SamplingParams.make(2), 2 * engine_tests.NEW_TOKENS, refills=True)
+    assert static.tokens == engine.outputs(state) == autoregressive[:2]
+    steps = int(state.step)
+    assert int(state.steps_by_depth.sum()) == steps and static.steps_by_depth.sum() == static.calls.max()
+    assert static.steps_by_depth[1:].sum() <= 3  # the prior's first tries
+    assert int(state.steps_by_depth[1:].sum()) >= int(state.accepted_hist[0].sum()) - 1 > 3  # all of row 0's life
+
+
 def test_ngram_auto_drafts_where_the_text_repeats(autoregressive):
     """The tiny model's greedy outputs repeat themselves: the lookup's guesses come right, the
-    rows draft long chains, and the output is plain decoding's."""
+    rows draft long chains, and the output is plain decoding's. (Refilled, so that each row's
+    gains count; a static batch drafts only where its slowest row gains.)"""
     engine = Engine(CONFIG, PARAMS, AdaptiveDepth(NgramDrafter(3), costs=ADAPTIVE_COSTS), max_len=MAX_LEN)
-    stats = engine.generate(PROMPTS, max_new_tokens=engine_tests.NEW_TOKENS)
-    assert stats.tokens == autoregressive
+    state = engine.admit(engine.init_state(len(PROMPTS)), range(len(PROMPTS)), PROMPTS, engine_tests.NEW_TOKENS)
+    state = engine.decode(state, SamplingParams.make(len(PROMPTS)), 2 * engine_tests.NEW_TOKENS, refills=True)
+    assert engine.outputs(state) == autoregressive
+    stats = Stats(np.asarray(state.accepted_hist), np.asarray(state.reached), np.asarray(state.steps_by_depth), 0.0, 0.0, [])
     assert stats.drafting_share > 0.3 and stats.tau > 1.5  # rows that never drafted would leave tau at 1
 
 
@@ -247,7 +309,7 @@ def test_measured_costs_resist_drift_and_a_disturbed_round(monkeypatch):
     engine = Engine(CONFIG, PARAMS, AdaptiveDepth(eagle3_drafter(CONFIG, PARAMS, depth=2)), max_len=MAX_LEN)
     clock, calls = [0.0], []
 
-    def decode(params, drafter_params, state, sampling, stop_step, costs):
+    def decode(params, drafter_params, state, sampling, stop_step, costs, refills):
         depth = int(np.argmin(np.asarray(costs)))
         assert int(state.depth) == depth  # the first step runs at the forced depth too
         calls.append(depth)

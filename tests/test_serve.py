@@ -245,6 +245,7 @@ class FaultyEngine:
         self.delay = 0.0
         self.fail_prompt: list[int] | None = None
         self.fail_decode = False
+        self.refills: set[bool] = set()  # what the scheduler told `decode` of its slots
 
     def __getattr__(self, name):
         return getattr(self.engine, name)
@@ -263,6 +264,7 @@ class FaultyEngine:
         if self.fail_decode:
             self.fail_decode = False
             raise RuntimeError("injected decode failure")
+        self.refills.add(kwargs.get("refills", False))
         return self.engine.decode(*args, **kwargs)
 
 
@@ -304,6 +306,7 @@ def test_queue_bound_answers_429(faulty):
         scheduler.options.max_queue = 64
     assert all(f.result().choices[0].finish_reason in ("stop", "length") for f in accepted)
     pool.shutdown()
+    assert faulty.proxy.refills == {True}  # continuous batching: adaptive depth prices every row's tokens
 
 
 def test_client_disconnect_frees_the_slot(engine, tokenizer, faulty):

@@ -87,7 +87,7 @@ def regenerate(
                 break
         if all(i is None for i in rows):
             return
-        state = engine.decode(state, sampling, steps_per_sync)
+        state = engine.decode(state, sampling, steps_per_sync, refills=True)  # a finished row's slot takes the next prompt
         active = np.asarray(state.active)
         if all(active[r] for r, i in enumerate(rows) if i is not None):
             continue

@@ -18,9 +18,18 @@ guess its counts drift back to the prior, so it tries again now and then. The co
 depth d, relative to a step at depth 0, is measured on this engine at this batch size, on the
 first batch it decodes: whole steps of the compiled loop over copies of that batch, each depth
 forced in turn (`Engine.measure_depth_costs`), so every overhead of drafting, verifying and
-committing is priced on the rows being served. The batch takes
-argmax_d sum_b E_b(d) / cost(d), where drafting must beat depth 0 by a margin: verifying costs
-per block, not per row, so one depth serves every row. The choice depends only on the past, so
+committing is priced on the rows being served. A row never emits more than its remaining budget
+r_b (max_new - generated), so E_b(d) is capped there. Verifying costs per block, not per row, so
+one depth serves every row, and what the batch gains depends on how it is scheduled:
+- refilled (a server's continuous batching, distillation): a finished row's slot takes the next
+  request at once, so every token any row emits is work done; the batch takes
+  argmax_d sum_b E_b(d) / cost(d).
+- static (`Engine.generate`): the batch runs until its last row is done, so a row that gains
+  tokens but finishes before the others saves no step, while every drafting step costs the whole
+  batch. The batch takes the depth that would finish it soonest if held:
+  argmin_d cost(d) max_b r_b / E_b(d), the projected finish of its slowest row. (With one row
+  both rules agree.)
+Drafting must beat depth 0 by a margin either way. The choice depends only on the past, so
 every step stays exact.
 
 Each step's depth is chosen at the end of the step before, so a drafter learns, as it reads what
@@ -115,18 +124,29 @@ def expected_tokens(stats: jax.Array, guess_class: jax.Array, drafts_without_gue
 
 
 def choose_depth(
-    stats: jax.Array, guess_class: jax.Array, active: jax.Array, costs: jax.Array, drafts_without_guess: bool = True
+    stats: jax.Array,
+    guess_class: jax.Array,
+    active: jax.Array,
+    remaining: jax.Array,
+    costs: jax.Array,
+    refills: jax.Array,
+    drafts_without_guess: bool = True,
 ) -> jax.Array:
-    """The depth d in 0 .. D maximising the batch's expected tokens per unit of time.
+    """The depth d in 0 .. D at which the batch gets its work done soonest (see the module doc).
 
     stats [B, C, D, 2] per-row counts (`observe`), guess_class [B] of the coming step's guesses,
-    active [B], costs [D + 1] step time at each depth relative to depth 0 (inf: never).
+    active [B], remaining [B] tokens each row may still emit, costs [D + 1] step time at each
+    depth relative to depth 0 (inf: never), refills [] whether finished rows are replaced at once
+    (tokens per unit of time count) or the batch is static (its slowest row's finish counts).
     Returns an int32 scalar.
     """
-    expected = expected_tokens(stats, guess_class, drafts_without_guess)  # [B, D + 1]
-    tokens = jnp.sum(jnp.where(active[:, None], expected, 0.0), axis=0)
+    remaining = jnp.maximum(remaining, 1).astype(jnp.float32)[:, None]  # [B, 1]
+    expected = jnp.minimum(expected_tokens(stats, guess_class, drafts_without_guess), remaining)  # [B, D + 1]
     depths = jnp.arange(costs.shape[0])
-    return jnp.argmax(tokens / (costs * jnp.where(depths > 0, MARGIN, 1.0))).astype(jnp.int32)
+    priced = costs * jnp.where(depths > 0, MARGIN, 1.0)  # [D + 1]
+    tokens = jnp.sum(jnp.where(active[:, None], expected, 0.0), axis=0)
+    slowest = jnp.max(jnp.where(active[:, None], remaining / expected, 1.0), axis=0)  # [D + 1] steps to finish
+    return jnp.where(refills, jnp.argmax(tokens / priced), jnp.argmin(priced * slowest)).astype(jnp.int32)
 
 
 class AdaptiveDepth(Wrapper):
