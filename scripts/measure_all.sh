@@ -10,6 +10,10 @@ python scripts/baseline_step_check.py --prompts chat --batch-size 1 --repeats 9 
 # The same at depths 1 and 3 on real chat rows at batch 4, beside the costs the engine measures (adaptive.MARGIN).
 python scripts/baseline_step_check.py --prompts chat --batch-size 4 --depths 0,1,3 --repeats 3 | tee results/baseline_step_check_chat_b4.txt
 python scripts/baseline_step_check.py --prompts chat --batch-size 4 --repeats 7 | tee results/baseline_step_check_chat_b4_depth0.txt
+# A static batch priced by its slowest row vs by the sum of its rows' tokens (counts and modelled time; costs fixed).
+{ python scripts/static_batch_steps.py --prompts mt-bench --num-prompts 16 --batch-size 4 --method ngram:auto5 --costs 1,1.24,1.49,1.64,1.81,1.95
+  python scripts/static_batch_steps.py --prompts mt-bench --num-prompts 16 --batch-size 4 --method eagle3+ngram:auto3 --costs 1,1.38,1.55,1.79
+} | tee results/static_batch_steps_mtbench_b4.txt
 # How often the first n-gram guess is right, by match length (why adaptive rows are priced per guess class).
 python scripts/ngram_guess_accuracy.py --prompts chat --num-prompts 8 | tee results/ngram_guess_accuracy_chat.txt
 python scripts/ngram_guess_accuracy.py --prompts mt-bench --num-prompts 16 | tee results/ngram_guess_accuracy_mtbench.txt

@@ -150,6 +150,17 @@ def test_a_depth_zero_step_counts_a_checked_guess_in_its_class():
     np.testing.assert_allclose(drafted, adaptive.observe(stats, guess_class, jnp.array([1, 1, 1]), 2, active, right))
 
 
+def test_a_fresh_row_with_a_guess_checks_it_before_drafting():
+    """Without a guess a fresh row tries a chain on the optimistic prior; with one it first checks
+    the guess at a step that does not draft, which costs nothing, and drafts once it was right."""
+    fresh, costs, one = jnp.zeros((1, 2, 3, 2)), [1.0, 1.4, 1.55, 1.7], jnp.ones(1, bool)
+    assert choose(fresh, costs, guess_class=[0]) > 0
+    assert choose(fresh, costs, guess_class=[1]) == 0
+    checked = lambda right: adaptive.observe(fresh, jnp.array([1]), jnp.zeros(1, jnp.int32), 0, one, jnp.array([right]))
+    assert choose(checked(True), costs, guess_class=[1]) > 0
+    assert choose(checked(False), costs, guess_class=[1]) == 0
+
+
 def test_right_guesses_bring_a_row_back_to_drafting_within_a_few_steps():
     costs, active = [1.0, 1.3, 1.6], jnp.ones(1, bool)
     def steps_to_resume(guess_class):
