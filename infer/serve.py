@@ -19,7 +19,9 @@ what they produced. A row that finishes, hits a
 stop string or whose client goes away frees its slot for the next admission; speculation is
 per row and unchanged. Shapes never change, so nothing recompiles as requests come and go.
 A seeded request is admitted alone with its seed and samples exactly what
-`Engine.generate([prompt], sampling, seed=seed)` samples, whatever else is running.
+`Engine.generate([prompt], sampling, seed=seed)` samples, whatever else is running (with a fixed
+draft length: an adaptive one picks one depth for the whole batch, so a sampled row's draws, though
+exact in distribution, depend on what runs beside it).
 `--schedule static` waits for the whole batch to finish before admitting again (the baseline
 `python -m infer.loadtest` compares against).
 
