@@ -315,9 +315,14 @@ class Engine:
         adaptive_depth = self.drafter.variants is not None
         if adaptive_depth:
             guess, guess_class = state.guess, state.guess_class  # [B], [B] found at the end of the step before
-            remaining = state.max_new - state.num_generated  # [B]
-            chosen = self._choose_depth(state.accept_stats, guess_class, state.active, remaining, depth_costs, refills)
-            depth = jnp.where(state.depth >= 0, state.depth, chosen)
+            # Chosen at the end of the step before; only a fresh batch (-1) chooses here.
+            depth = jax.lax.cond(
+                state.depth >= 0,
+                lambda: state.depth,
+                lambda: self._choose_depth(
+                    state.accept_stats, guess_class, state.active, state.max_new - state.num_generated, depth_costs, refills
+                ),
+            )
             drafter_state, proposal, out, aux, verdict = self._adaptive_draft_and_verify(
                 params, drafter_params, state, keys, ctx, sampling, depth
             )
