@@ -46,6 +46,8 @@ def test_regenerates_every_turn_in_batches_and_resumes(tmp_path):
     path = tmp_path / "distilled.jsonl"
     kwargs = dict(batch_size=2, max_prompt_tokens=32, max_new_tokens=MAX_NEW)
     assert distill.regenerate_to_file(path, RECORDS[:2], CONFIG, PARAMS, tokenizer, **kwargs) == 2
+    with path.open("a") as file:
+        file.write('{"id": 2, "conversa')  # a stop mid-write
     assert distill.regenerate_to_file(path, RECORDS, CONFIG, PARAMS, tokenizer, **kwargs) == 3  # resumes
     written = [json.loads(line) for line in path.read_text().splitlines()]
     assert [r["id"] for r in written] == [0, 1, 2]

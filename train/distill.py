@@ -122,7 +122,7 @@ def regenerate_to_file(
     after it; those started are finished).
     """
     path.parent.mkdir(parents=True, exist_ok=True)
-    written = path.read_text().splitlines() if path.exists() else []
+    written = _complete_lines(path)
     for line_number, (line, record) in enumerate(zip(written, records), 1):
         if _first_user_turn(json.loads(line)["conversations"]) != _first_user_turn(record["conversations"]):
             raise ValueError(f"{path}:{line_number} was regenerated from different inputs; delete the file to start over")
@@ -153,6 +153,18 @@ def regenerate_to_file(
             progress.set_postfix(tok_s=f"{generated / (time.time() - start):.0f}")
     progress.close()
     return done
+
+
+def _complete_lines(path: Path) -> list[str]:
+    """The file's newline-terminated lines; a partial last line (a stop mid-write) is cut off the file."""
+    if not path.exists():
+        return []
+    text = path.read_text()
+    complete = text[: text.rfind("\n") + 1]
+    if len(complete) < len(text):
+        print(f"{path}: dropping a partial last record ({len(text) - len(complete)} characters) written by an interrupted run")
+        path.write_text(complete)
+    return complete.splitlines()
 
 
 def _first_user_turn(messages: Messages) -> str:
