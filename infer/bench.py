@@ -8,7 +8,9 @@ the measured cost ratios c = T_draft / T_decode and T_verify(N) / T_decode, and 
 the cost-model bound tau * T_decode / (T_verify(N) + T_draft) that the engine reaches.
 Compilation is excluded (a warm-up run first); times are medians over --repeats interleaved runs, and
 the speedup is the median of each run's ratio to the autoregressive run of the same round.
-Greedy decoding by default, so every method emits the same tokens.
+Greedy decoding by default, so every method emits the same tokens. --control adds a second
+plain-decoding engine built like the first (`ar (control)`): its speedup over ar is what two
+identical engines differ by in this run, the resolution of every other speedup.
 """
 
 from __future__ import annotations
@@ -37,12 +39,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--num-prompts", type=common.POSITIVE_INT, default=4, help="prompts per batch-size run (cycled to fill batches)")
     common.add_sampling_args(parser)
     parser.add_argument("--repeats", type=common.POSITIVE_INT, default=3)
+    parser.add_argument("--control", action="store_true", help=f"add a second plain-decoding engine ({CONTROL!r}) to show the run's resolution")
     parser.add_argument("--out", default="bench.json", help="JSON results")
     parser.add_argument("--plots", default=None, help="directory for PNG plots (speedup, acceptance)")
     args = parser.parse_args(argv)
     args.method_specs = split_methods(args.methods)
     common.check_draft_flag(args, args.method_specs)
     return args
+
+
+#: The label of --control's engine: plain decoding again, built and timed like `ar`.
+CONTROL = "ar (control)"
 
 
 def split_methods(text: str) -> list[MethodSpec]:
@@ -65,14 +72,14 @@ def timed_pass(engine: Engine, batches: list[list[list[int]]], sampling, max_new
     return sum(r.decode_s for r in runs), sum(r.num_generated for r in runs), runs
 
 
-def interleaved_passes(engines: dict[MethodSpec, Engine], batches, sampling, max_new_tokens: int, repeats: int, seed: int = 0) -> dict:
-    """Compile every engine, then `repeats` rounds of one timed pass each: {spec: [timed_pass, ...]}.
+def interleaved_passes(engines: dict, batches, sampling, max_new_tokens: int, repeats: int, seed: int = 0) -> dict:
+    """Compile every engine, then `repeats` rounds of one timed pass each: {key: [timed_pass, ...]}.
 
     Interleaving (ar, m1, m2, ar, m1, m2, ...) makes a drifting machine load hit every method alike.
     """
     for engine in engines.values():
         engine.generate(batches[0], sampling, max_new_tokens=4)  # compile
-    passes: dict[MethodSpec, list] = {spec: [] for spec in engines}
+    passes: dict = {spec: [] for spec in engines}
     for _ in range(repeats):
         for spec, engine in engines.items():
             passes[spec].append(timed_pass(engine, batches, sampling, max_new_tokens, seed))
@@ -88,17 +95,17 @@ def tau_by_category(accepted_hist: np.ndarray, row_categories: list[str]) -> dic
     return taus
 
 
-def bench_batch_size(engines: dict[MethodSpec, Engine], batches, args, row_categories: list[str] | None = None) -> list[dict]:
-    """All methods at one batch size: warm-up, --repeats interleaved passes (medians), step profiles.
+def bench_batch_size(engines: dict[str, Engine], batches, args, row_categories: list[str] | None = None) -> list[dict]:
+    """All methods ({label: engine}) at one batch size: warm-up, --repeats interleaved passes (medians), step profiles.
 
     row_categories: the prompt category of each row of `batches` (in order), for tau by category."""
     batch_size = len(batches[0])
     sampling = common.sampling_params(args, batch_size)
     passes = interleaved_passes(engines, batches, sampling, args.max_new_tokens, args.repeats, args.seed)
     results = []
-    for spec, engine in engines.items():
-        seconds = float(np.median([p[0] for p in passes[spec]]))
-        _, tokens, runs = passes[spec][-1]
+    for label, engine in engines.items():
+        seconds = float(np.median([p[0] for p in passes[label]]))
+        _, tokens, runs = passes[label][-1]
         stats = Stats(  # the last pass's batches as one
             accepted_hist=np.concatenate([r.accepted_hist for r in runs]), reached=np.concatenate([r.reached for r in runs]),
             steps_by_depth=np.sum([r.steps_by_depth for r in runs], axis=0),
@@ -106,12 +113,12 @@ def bench_batch_size(engines: dict[MethodSpec, Engine], batches, args, row_categ
         )
         timings = engine.profile_step(batches[0], sampling)
         results.append({
-            "method": spec.label,
+            "method": label,
             "batch_size": batch_size,
             "decode_s": seconds,
             "tokens": int(tokens),
             "tokens_per_s": tokens / seconds,
-            "tokens_per_s_by_repeat": [p[1] / p[0] for p in passes[spec]],
+            "tokens_per_s_by_repeat": [p[1] / p[0] for p in passes[label]],
             "tau": stats.tau,
             "block": engine.num_nodes + engine.drafter.num_aux,  # tokens in the verifying forward (the largest, if adaptive)
             "acceptance_by_position": stats.acceptance_by_position.tolist(),
@@ -192,7 +199,7 @@ def plot(results: list[dict], directory: str) -> list[Path]:
     fig.tight_layout()
     fig.savefig(out / "speedup.png", dpi=120)
     fig, ax = plt.subplots(figsize=(6, 4))
-    for method in methods[1:]:
+    for method in [m for m in methods[1:] if m != CONTROL]:  # plain decoding drafts nothing
         row = next(r for r in results if r["method"] == method)
         curve = row["acceptance_by_position"]
         ax.plot(range(1, len(curve) + 1), curve, marker="o", label=f"{method} (batch {row['batch_size']})")
@@ -211,10 +218,11 @@ def main(argv: list[str] | None = None) -> list[dict]:
     config, params, tokenizer = common.load_target(args)
     token_ids = prompt_sets.token_ids(tokenizer, args.prompts, args.num_prompts)
     categories = prompt_sets.categories(args.prompts)
+    specs = {spec.label: spec for spec in args.method_specs} | ({CONTROL: MethodSpec("ar")} if args.control else {})
     engines = {
-        spec: Engine(config, params, common.build_drafter(spec, args, config, params),
-                     max_len=args.max_len, eos_ids=tokenizer.eos_token_ids)
-        for spec in args.method_specs
+        label: Engine(config, params, common.build_drafter(spec, args, config, params),
+                      max_len=args.max_len, eos_ids=tokenizer.eos_token_ids)
+        for label, spec in specs.items()
     }
     results = []
     for batch_size in tqdm(args.batch_size, desc="bench", unit="batch size"):
@@ -223,9 +231,14 @@ def main(argv: list[str] | None = None) -> list[dict]:
         rows = len(batches) * batch_size
         row_categories = None if categories is None else [categories[i % len(token_ids)] for i in range(rows)]
         results += bench_batch_size(engines, batches, args, row_categories)
-    results.sort(key=lambda r: (args.method_specs.index(MethodSpec.parse(r["method"])), r["batch_size"]))
+    results.sort(key=lambda r: (list(engines).index(r["method"]), r["batch_size"]))
     summarise(results)
     print(table(results))
+    for r in results:
+        if r["method"] == CONTROL:
+            low, high = min(r["speedup_by_repeat"]), max(r["speedup_by_repeat"])
+            print(f"batch {r['batch_size']}: two identical plain-decoding engines differ by {abs(r['speedup'] - 1):.1%} "
+                  f"(control {r['speedup']:.3f}x, rounds {low:.3f}-{high:.3f}); smaller differences are not resolved by this run")
     if categories is not None:
         print("\ntau by category\n" + category_table(results))
     meta = {k: v for k, v in vars(args).items() if k != "method_specs"}

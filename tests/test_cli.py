@@ -174,10 +174,13 @@ def test_bench_speedup_is_the_median_of_ratios_within_a_round():
 def test_bench_writes_table_json_and_plots(tmp_path, capsys):
     out = tmp_path / "bench.json"
     bench.main(["--methods", "ar,ngram:3", "--batch-size", "2", "--num-prompts", "2", "--max-new-tokens", "8",
-                "--repeats", "1", "--max-len", "512", "--out", str(out), "--plots", str(tmp_path)])
-    assert "of bound" in capsys.readouterr().out
+                "--repeats", "1", "--max-len", "512", "--out", str(out), "--plots", str(tmp_path), "--control"])
+    printed = capsys.readouterr().out
+    assert "of bound" in printed and "two identical plain-decoding engines differ by" in printed
     results = json.loads(out.read_text())["results"]
-    assert [(r["method"], r["batch_size"]) for r in results] == [("ar", 2), ("ngram:3", 2)]
+    assert [(r["method"], r["batch_size"]) for r in results] == [("ar", 2), ("ngram:3", 2), (bench.CONTROL, 2)]
+    control = results[2]
+    assert control["tau"] == 1.0 and control["tokens"] == results[0]["tokens"] and control["speedup_by_repeat"][0] > 0
     for r in results:
         assert r["tokens_per_s"] > 0 and r["t_decode_ms"] > 0 and 1.0 <= r["tau"] <= 4.0
         assert r["speedup"] == pytest.approx(1.0) if r["method"] == "ar" else r["speedup"] > 0
