@@ -284,7 +284,7 @@ def two_sequences(keys, out, steps: int = 3, num_draft: int = 3) -> dict:
         pending = np.asarray(verdict.next_token)
         # The next step's first query sees exactly the committed tokens, never a stale slot.
         mask = np.arange(cache.max_len)[None, :] < np.asarray(cache.lengths)[:, None]  # [B, S], as attention reads
-        slots = np.asarray(cache.k)[0, :, :, 0, 0]  # [B, S]
+        slots = np.asarray(cache.k)[0, :, 0, :, 0]  # [B, S]
         for row in range(2):
             visible = slots[row, mask[row]]
             reads_committed_only &= visible.tolist() == committed[row]

@@ -2,20 +2,20 @@
 
     python scripts/training_throughput.py distill --baseline ffdb866   # chunked vs continuous batching
     python scripts/training_throughput.py ttt --baseline ffdb866       # LM head everywhere vs loss blocks
+    python scripts/training_throughput.py distill --baseline ffdb866 --baseline-engine   # all of it: its engine too
 
 distill: self-distillation of ShareGPT conversations (max 4 turns) with SmolLM2, greedy, on one
 engine: the baseline's `regenerate_chunk` (every turn of a batch waits for its longest row) against
 `train.distill.regenerate` (continuous batching); also checks that both wrote the same conversations.
+With --baseline-engine the chunked baseline also runs on the baseline revision's own engine (its whole
+`specjax` package, imported as `specjax_baseline`), so the ratio is everything since then.
 ttt: one EAGLE-3 TTT step (loss, gradient, AdamW) on packed ShareGPT rows with the target's real
 features and logits: the baseline's `ttt_loss` against `train.ttt.ttt_loss`, f32, and the latter in bf16.
 The baseline modules are read with `git show REV:train/...` (run inside the repository).
 """
 
 import argparse
-import importlib.util
-import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -31,15 +31,7 @@ from specjax.engine import Engine  # noqa: E402
 from specjax.models import eagle3, llama  # noqa: E402
 from train import data, distill, eagle3_method, sharegpt, ttt  # noqa: E402
 
-
-def baseline_module(revision: str, path: str):
-    source = subprocess.run(["git", "show", f"{revision}:{path}"], cwd=REPO, check=True, capture_output=True, text=True).stdout
-    file = Path(tempfile.mkdtemp()) / Path(path).name
-    file.write_text(source)
-    spec = importlib.util.spec_from_file_location(f"baseline_{file.stem}", file)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+from revision import baseline_engine_class, baseline_module  # noqa: E402
 
 
 def interleaved(variants: dict, repeats: int) -> dict:
@@ -58,14 +50,16 @@ def measure_distill(args, config, params, tokenizer):
     conversations = sharegpt.load(sharegpt.source_path("sharegpt"), max_turns=4, max_records=400).train[: args.conversations]
     eos = tuple(dict.fromkeys(config.eos_token_ids + ((tokenizer.eos_token_id,) if tokenizer.eos_token_id is not None else ())))
     max_prompt = 512
-    engine = Engine(config, params, max_len=-(-(max_prompt + args.max_new_tokens + 1) // 64) * 64, attention_chunk=64, eos_ids=eos)
+    max_len = -(-(max_prompt + args.max_new_tokens + 1) // 64) * 64
+    engine = Engine(config, params, max_len=max_len, attention_chunk=64, eos_ids=eos)
+    old_engine = baseline_engine_class(args.baseline)(config, params, max_len=max_len, attention_chunk=64, eos_ids=eos) if args.baseline_engine else engine
     settings = dict(batch_size=args.batch_size, max_prompt_tokens=max_prompt, max_new_tokens=args.max_new_tokens, temperature=0.0, seed=0)
     results = {}
 
     def run_chunked(items=conversations):
         out, tokens = [], 0
         for first in range(0, len(items), args.batch_size):
-            chunk, generated = chunked.regenerate_chunk(engine, tokenizer, items[first : first + args.batch_size], **settings)
+            chunk, generated = chunked.regenerate_chunk(old_engine, tokenizer, items[first : first + args.batch_size], **settings)
             out, tokens = out + chunk, tokens + generated
         results["chunked"] = out, tokens
 
@@ -133,6 +127,7 @@ def main():
     parser.add_argument("what", choices=["distill", "ttt"])
     parser.add_argument("--baseline", default="ffdb866", help="git revision whose code is the baseline")
     parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--baseline-engine", action="store_true", help="distill: the baseline runs on its own revision's engine")
     parser.add_argument("--conversations", type=int, default=32)
     parser.add_argument("--batch-size", type=int, default=16)
     parser.add_argument("--max-new-tokens", type=int, default=192)

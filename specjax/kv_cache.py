@@ -4,6 +4,10 @@ Row b holds its committed tokens in slots `0 .. lengths[b]-1`. Everything past `
 is stale: never cleared, never attended. Rolling back a rejected draft is therefore nothing but
 not advancing `lengths` over it; `write` puts a verified block at each row's own offset,
 `compact` gathers an accepted tree path into contiguous slots, and `commit` advances the length.
+
+The buffers are laid out [L, B, Hkv, S, D]: a chunk of one head's slots is contiguous, the
+operand attention's matmuls take as is (with slots before heads, XLA:CPU transposes every chunk it
+reads; docs/architecture.md, "Cache layout"). Blocks come and go in the model's [L, B, T, Hkv, D].
 """
 
 from __future__ import annotations
@@ -15,8 +19,8 @@ from flax import struct
 
 @struct.dataclass
 class KVCache:
-    k: jax.Array  # [L, B, S, Hkv, D]
-    v: jax.Array  # [L, B, S, Hkv, D]
+    k: jax.Array  # [L, B, Hkv, S, D]
+    v: jax.Array  # [L, B, Hkv, S, D]
     lengths: jax.Array  # [B] int32, committed tokens per row
 
     @classmethod
@@ -29,7 +33,7 @@ class KVCache:
         head_dim: int,
         dtype=jnp.float32,
     ) -> KVCache:
-        shape = (num_layers, batch_size, max_len, num_kv_heads, head_dim)
+        shape = (num_layers, batch_size, num_kv_heads, max_len, head_dim)
         return cls(
             k=jnp.zeros(shape, dtype),
             v=jnp.zeros(shape, dtype),
@@ -38,7 +42,7 @@ class KVCache:
 
     @property
     def max_len(self) -> int:
-        return self.k.shape[2]
+        return self.k.shape[3]
 
     @property
     def batch_size(self) -> int:
@@ -46,11 +50,12 @@ class KVCache:
 
 
 def _scatter_rows(buffer: jax.Array, block: jax.Array, offsets: jax.Array) -> jax.Array:
-    """buffer [L, B, S, ...] <- block [L, B, T, ...] at slots offsets[b] + t (out of range: dropped)."""
+    """buffer [L, B, Hkv, S, D] <- block [L, B, T, Hkv, D] at slots offsets[b] + t (out of range: dropped)."""
     num_new = block.shape[2]
     slots = offsets[:, None] + jnp.arange(num_new)[None, :]  # [B, T]
     rows = jnp.arange(buffer.shape[1])[:, None]  # [B, 1]
-    return buffer.at[:, rows, slots].set(block, mode="drop")
+    # Advanced indices on axes 1 and 3 with a slice between them: the indexed result is [B, T, L, Hkv, D].
+    return buffer.at[:, rows, :, slots].set(jnp.transpose(block, (1, 2, 0, 3, 4)), mode="drop")
 
 
 def write(cache: KVCache, k_block: jax.Array, v_block: jax.Array) -> KVCache:
@@ -74,7 +79,7 @@ def compact(cache: KVCache, path: jax.Array) -> KVCache:
     """
     src = cache.lengths[:, None] + path  # [B, P]
     rows = jnp.arange(cache.batch_size)[:, None]  # [B, 1]
-    gather = lambda buf: buf[:, rows, jnp.minimum(src, cache.max_len - 1)]  # [L, B, P, ...]
+    gather = lambda buf: jnp.transpose(buf[:, rows, :, jnp.minimum(src, cache.max_len - 1)], (2, 0, 1, 3, 4))  # [L, B, P, Hkv, D]
     return cache.replace(
         k=_scatter_rows(cache.k, gather(cache.k), cache.lengths),
         v=_scatter_rows(cache.v, gather(cache.v), cache.lengths),

@@ -307,7 +307,7 @@ def test_a_postponing_head_reads_what_it_queued_as_if_it_had_read_every_step():
         if not any(left):  # all read: the same cache and output
             for row, length in enumerate(np.asarray(read.cache.lengths)):
                 for name in ("k", "v"):
-                    np.testing.assert_allclose(getattr(queued.cache, name)[:, row, :length], getattr(read.cache, name)[:, row, :length], rtol=1e-5, atol=1e-5)
+                    np.testing.assert_allclose(getattr(queued.cache, name)[:, row, :, :length], getattr(read.cache, name)[:, row, :, :length], rtol=1e-5, atol=1e-5)  # [L, B, Hkv, S, D]
             np.testing.assert_allclose(queued.hidden, read.hidden, rtol=1e-5, atol=1e-5)
     assert plain.postponing(6).init_state(1, 8).backlog.tokens.shape == (1, 6) and plain.init_state(1, 8).backlog is None
 

@@ -105,7 +105,7 @@ def test_cache_rows_of_different_lengths_ignore_stale_slots():
         causal_mask(5),
     )
     cache = kv_cache.write(cache, out.k, out.v).replace(lengths=jnp.array([5, 3]))
-    noisy = cache.replace(k=cache.k.at[:, 1, 3:].set(100.0), v=cache.v.at[:, 1, 3:].set(-100.0))
+    noisy = cache.replace(k=cache.k.at[:, 1, :, 3:].set(100.0), v=cache.v.at[:, 1, :, 3:].set(-100.0))  # row 1's stale slots
     query = lambda c: FORWARD(
         params, CONFIG, embeddings[:, 5:], hidden[:, 5:], positions[:, 5:], c, jnp.ones((1, 1), bool),
         chunk_size=4,

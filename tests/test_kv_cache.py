@@ -36,7 +36,7 @@ def visible(lengths: jax.Array, block_mask: jax.Array, max_len: int) -> jax.Arra
     and every slot, stale or not, holds a value of its own (the one-hot of its index)."""
     batch, num_queries = lengths.shape[0], block_mask.shape[-1]
     values = jnp.eye(max_len + num_queries)  # [S + T, S + T]
-    v_cache = jnp.broadcast_to(values[:max_len, None], (1, batch, max_len, 1, max_len + num_queries))
+    v_cache = jnp.broadcast_to(values[:max_len], (1, batch, 1, max_len, max_len + num_queries))  # [L, B, Hkv, S, D]
     v_new = jnp.broadcast_to(values[max_len:, None], (batch, num_queries, 1, max_len + num_queries))
     q = jnp.zeros((batch, num_queries, 1, 1, max_len + num_queries))
     out = attention(q, jnp.zeros_like(v_new), v_new, jnp.zeros_like(v_cache), v_cache, 0, lengths, block_mask, 2)
@@ -54,8 +54,8 @@ def slot_values(cache: KVCache) -> np.ndarray:
     """[B, S] the value encoded in each slot (checking k, v and every layer agree)."""
     k, v = np.asarray(cache.k), np.asarray(cache.v)
     np.testing.assert_array_equal(k, -v)
-    np.testing.assert_array_equal(k, np.broadcast_to(k[:1, :, :, :1, :1], k.shape))
-    return k[0, :, :, 0, 0]
+    np.testing.assert_array_equal(k, np.broadcast_to(k[:1, :, :1, :, :1], k.shape))  # [L, B, Hkv, S, D]
+    return k[0, :, 0, :, 0]
 
 
 def prefilled(lengths: list[int], max_len: int) -> KVCache:

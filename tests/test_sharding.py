@@ -60,7 +60,7 @@ def test_sharded_logits_equal_single_device(mesh):
     sharded_cache = sharding.shard_cache(cache, CONFIG, mesh)
     assert sharded_params["layers"][0]["q_proj"].sharding.spec == P(None, "model")
     assert sharded_params["layers"][0]["o_proj"].sharding.spec == P("model", None)
-    assert sharded_cache.k.sharding.spec == P(None, "data", None, "model", None)
+    assert sharded_cache.k.sharding.spec == P(None, "data", "model", None, None)
     actual = prefill_then_decode(sharded_params, sharded_cache, prompt, next_tokens)
     for got, want in zip(actual, expected):
         np.testing.assert_allclose(got, want, atol=1e-5, rtol=0)

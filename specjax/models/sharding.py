@@ -64,7 +64,7 @@ def param_specs(config: ModelConfig, mesh: Mesh) -> Params:
 def cache_specs(config: ModelConfig, mesh: Mesh) -> KVCache:
     """PartitionSpecs for a KVCache: batch over "data", KV heads over "model" (when they divide)."""
     heads = MODEL if config.num_kv_heads % mesh.shape[MODEL] == 0 else None
-    kv = P(None, DATA, None, heads, None)  # [L, B, S, Hkv, D]
+    kv = P(None, DATA, heads, None, None)  # [L, B, Hkv, S, D]
     return KVCache(k=kv, v=kv, lengths=P(DATA))
 
 
