@@ -79,10 +79,10 @@ def interleaved_passes(engines: dict, batches, sampling, max_new_tokens: int, re
     """
     for engine in engines.values():
         engine.generate(batches[0], sampling, max_new_tokens=4)  # compile
-    passes: dict = {spec: [] for spec in engines}
+    passes: dict = {key: [] for key in engines}
     for _ in range(repeats):
-        for spec, engine in engines.items():
-            passes[spec].append(timed_pass(engine, batches, sampling, max_new_tokens, seed))
+        for key, engine in engines.items():
+            passes[key].append(timed_pass(engine, batches, sampling, max_new_tokens, seed))
     return passes
 
 

@@ -49,13 +49,14 @@ class KVCache:
         return self.k.shape[1]
 
 
-def _scatter_rows(buffer: jax.Array, block: jax.Array, offsets: jax.Array) -> jax.Array:
-    """buffer [L, B, Hkv, S, D] <- block [L, B, T, Hkv, D] at slots offsets[b] + t (out of range: dropped)."""
-    num_new = block.shape[2]
+def _scatter_rows(buffer: jax.Array, entries: jax.Array, offsets: jax.Array) -> jax.Array:
+    """buffer [L, B, Hkv, S, D] <- entries [B, T, L, Hkv, D] at slots offsets[b] + t (out of range: dropped).
+
+    Indexing axes 1 and 3 (a slice between them) puts the indexed axes first: [B, T, L, Hkv, D]."""
+    num_new = entries.shape[1]
     slots = offsets[:, None] + jnp.arange(num_new)[None, :]  # [B, T]
     rows = jnp.arange(buffer.shape[1])[:, None]  # [B, 1]
-    # Advanced indices on axes 1 and 3 with a slice between them: the indexed result is [B, T, L, Hkv, D].
-    return buffer.at[:, rows, :, slots].set(jnp.transpose(block, (1, 2, 0, 3, 4)), mode="drop")
+    return buffer.at[:, rows, :, slots].set(entries, mode="drop")
 
 
 def write(cache: KVCache, k_block: jax.Array, v_block: jax.Array) -> KVCache:
@@ -65,8 +66,8 @@ def write(cache: KVCache, k_block: jax.Array, v_block: jax.Array) -> KVCache:
     `lengths + T <= max_len` (the engine checks it before decoding starts).
     """
     return cache.replace(
-        k=_scatter_rows(cache.k, k_block.astype(cache.k.dtype), cache.lengths),
-        v=_scatter_rows(cache.v, v_block.astype(cache.v.dtype), cache.lengths),
+        k=_scatter_rows(cache.k, jnp.transpose(k_block, (1, 2, 0, 3, 4)).astype(cache.k.dtype), cache.lengths),
+        v=_scatter_rows(cache.v, jnp.transpose(v_block, (1, 2, 0, 3, 4)).astype(cache.v.dtype), cache.lengths),
     )
 
 
@@ -79,7 +80,7 @@ def compact(cache: KVCache, path: jax.Array) -> KVCache:
     """
     src = cache.lengths[:, None] + path  # [B, P]
     rows = jnp.arange(cache.batch_size)[:, None]  # [B, 1]
-    gather = lambda buf: jnp.transpose(buf[:, rows, :, jnp.minimum(src, cache.max_len - 1)], (2, 0, 1, 3, 4))  # [L, B, P, Hkv, D]
+    gather = lambda buf: buf[:, rows, :, jnp.minimum(src, cache.max_len - 1)]  # [B, P, L, Hkv, D]
     return cache.replace(
         k=_scatter_rows(cache.k, gather(cache.k), cache.lengths),
         v=_scatter_rows(cache.v, gather(cache.v), cache.lengths),
