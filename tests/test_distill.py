@@ -96,3 +96,33 @@ def test_resumes_past_a_conversation_whose_first_prompt_did_not_fit(tmp_path):
     assert json.loads(path.read_text())["conversations"] == too_long["conversations"][:1]  # names its input
     assert distill.regenerate_to_file(path, records, CONFIG, PARAMS, tokenizer, **kwargs) == 2
     assert distill.load_regenerated(path) == [reference(tokenizer, RECORDS[0]["conversations"])]
+
+
+def test_an_archive_carries_the_records_to_a_fresh_directory_and_must_agree_with_the_file(tmp_path, capsys):
+    tokenizer = word_tokenizer()
+    kwargs = dict(batch_size=2, max_prompt_tokens=32, max_new_tokens=MAX_NEW)
+    archive = tmp_path / "kept" / "distilled.jsonl.gz"
+    first = tmp_path / "first" / "distilled.jsonl"
+    assert distill.regenerate_to_file(first, RECORDS[:2], CONFIG, PARAMS, tokenizer, archive=archive, archive_every=1, **kwargs) == 2
+    assert distill.read_archive(archive) == first.read_text().splitlines()
+    packed = archive.read_bytes()
+    distill.write_archive(first, archive)
+    assert archive.read_bytes() == packed  # the same records, the same bytes
+
+    # A record edited in the archive comes back as it is there: taken, not regenerated.
+    lines = distill.read_archive(archive)
+    edited = json.loads(lines[0])
+    edited["conversations"][1]["content"] = "kept words"
+    lines[0] = json.dumps(edited)
+    (tmp_path / "edited.jsonl").write_text("".join(line + "\n" for line in lines))
+    distill.write_archive(tmp_path / "edited.jsonl", archive)
+    fresh = tmp_path / "fresh" / "distilled.jsonl"
+    assert distill.regenerate_to_file(fresh, RECORDS, CONFIG, PARAMS, tokenizer, archive=archive, **kwargs) == 3
+    assert "2 regenerated conversations taken from" in capsys.readouterr().out
+    written = [json.loads(line) for line in fresh.read_text().splitlines()]
+    assert written[0]["conversations"][1]["content"] == "kept words"
+    assert [r["conversations"] for r in written[1:]] == [reference(tokenizer, r["conversations"]) for r in RECORDS[1:]]
+    assert distill.read_archive(archive) == fresh.read_text().splitlines()  # grown with the file
+
+    with pytest.raises(ValueError, match="differs from record 1 of the archive"):
+        distill.regenerate_to_file(first, RECORDS, CONFIG, PARAMS, tokenizer, archive=archive, **kwargs)

@@ -210,6 +210,7 @@ def test_missing_wheel_and_files_are_named(tmp_path, monkeypatch):
         (dict(data="sharegpt", max_turns=1), r"config key max_turns must be 0 \(all\) or >= 2, got 1"),
         (dict(data="sharegpt", held_out_permille=1000), r"config key held_out_permille must be in \[0, 1000\), got 1000"),
         (dict(data="sharegpt", max_conversations=-1), "config key max_conversations must be >= 0, got -1"),
+        (dict(data="sharegpt", distilled_archive="a.jsonl.gz"), "distilled_archive keeps self-distilled conversations: set self_distill"),
     ],
 )
 def test_config_errors_name_the_keys(values, message):

@@ -44,6 +44,7 @@ class TrainConfig:
     distill_max_new_tokens: int = 256
     distill_batch_size: int = 16
     distill_temperature: float = 0.0
+    distilled_archive: str = ""  # the distilled conversations gzip-compressed (e.g. kept in the repository): read first, rewritten as they grow
 
     # Draft and loss.
     ttt_length: int = 7
@@ -91,6 +92,8 @@ class TrainConfig:
         sharegpt_only = [name for name in SHAREGPT_KEYS if getattr(self, name) != _DEFAULTS[name]]
         if sharegpt_only and not self.data:
             raise ValueError(f"config keys {', '.join(sharegpt_only)} apply to ShareGPT data only: set data")
+        if self.distilled_archive and not self.self_distill:
+            raise ValueError("config key distilled_archive keeps self-distilled conversations: set self_distill")
         if self.tau_eval_every and not (self.eval_samples and self.tau_eval_prompts > 0):
             raise ValueError("tau_eval_every needs held-out rows: set eval_samples and tau_eval_prompts > 0")
 

@@ -390,6 +390,7 @@ def token_rows(config: TrainConfig, target: Target) -> data.TokenRows:
                 path, [{"conversations": messages} for messages in conversations], target.config, target.params,
                 tokenizer, batch_size=config.distill_batch_size, max_prompt_tokens=config.seq_len,
                 max_new_tokens=config.distill_max_new_tokens, temperature=config.distill_temperature, seed=config.seed,
+                archive=Path(config.distilled_archive) if config.distilled_archive else None,
             )
             conversations = distill.load_regenerated(path)
         rows = data.to_rows([data.tokenize_conversation(tokenizer, c) for c in conversations], config.seq_len, config.pack)

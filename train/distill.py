@@ -8,13 +8,17 @@ batching: a row whose turn ends takes the next turn at once instead of idling un
 turn of its batch ends.
 
 Results are appended to a jsonl file in input order; rerunning with the same inputs resumes
-after the last record written.
+after the last record written. An archive (the same records, gzip-compressed, small enough to keep
+in the repository) carries the work to another machine: a run starts from its records and rewrites
+it as it goes.
 """
 
 from __future__ import annotations
 
 import collections
+import gzip
 import json
+import os
 import time
 from pathlib import Path
 from typing import Any, Iterator
@@ -111,7 +115,7 @@ def _trimmed(messages: Messages) -> Messages:
 def regenerate_to_file(
     path: Path, records: list[dict[str, Any]], target_config: ModelConfig, target_params, tokenizer, *,
     batch_size: int = 32, max_prompt_tokens: int = 512, max_new_tokens: int = 256, temperature: float = 0.0,
-    seed: int = 0, time_budget_s: float = float("inf"),
+    seed: int = 0, time_budget_s: float = float("inf"), archive: Path | None = None, archive_every: int = 100,
 ) -> int:
     """Regenerate `records` ({"conversations": messages, ...}) into the jsonl file at `path`.
 
@@ -119,16 +123,22 @@ def regenerate_to_file(
     conversations in flight). Resumes after the records already in the file (which must be the
     same inputs: the first user turn of each is checked). Returns the number of records written
     so far; less than len(records) only when the time budget ran out (no conversation starts
-    after it; those started are finished).
+    after it; those started are finished). With an `archive` (see `write_archive`), records it holds
+    beyond the file's are copied into the file first, and it is rewritten every `archive_every`
+    records and at the end.
     """
     path.parent.mkdir(parents=True, exist_ok=True)
     written = _complete_lines(path)
+    if archive is not None and archive.exists():
+        written = _restore_from_archive(path, written, archive)
     for line_number, (line, record) in enumerate(zip(written, records), 1):
         if _first_user_turn(json.loads(line)["conversations"]) != _first_user_turn(record["conversations"]):
             raise ValueError(f"{path}:{line_number} was regenerated from different inputs; delete the file to start over")
     if len(written) > len(records):
         raise ValueError(f"{path} holds {len(written)} records, more than the {len(records)} inputs")
     if len(written) == len(records):
+        if archive is not None:
+            write_archive(path, archive)
         return len(written)
     max_len = -(-(max_prompt_tokens + max_new_tokens + 1) // 64) * 64
     eos_ids = tuple(dict.fromkeys(target_config.eos_token_ids + ((tokenizer.eos_token_id,) if tokenizer.eos_token_id is not None else ())))
@@ -148,11 +158,51 @@ def regenerate_to_file(
             while done in finished:
                 file.write(json.dumps({**records[done], "conversations": finished.pop(done)}) + "\n")
                 done += 1
+                if archive is not None and done % archive_every == 0:
+                    file.flush()
+                    write_archive(path, archive)
             file.flush()
             progress.update(done - progress.n)
             progress.set_postfix(tok_s=f"{generated / (time.time() - start):.0f}")
     progress.close()
+    if archive is not None:
+        write_archive(path, archive)
     return done
+
+
+def read_archive(archive: Path) -> list[str]:
+    """The records (jsonl lines) of a gzip archive written by `write_archive`."""
+    with gzip.open(archive, "rt") as file:
+        return file.read().splitlines()
+
+
+def write_archive(path: Path, archive: Path) -> None:
+    """Replace `archive` with the complete records of the jsonl file at `path`, gzip-compressed.
+
+    The same records give the same bytes (no name or time in the gzip header), so a repository
+    that keeps the archive sees a change only when records were added.
+    """
+    lines = _complete_lines(path)
+    archive.parent.mkdir(parents=True, exist_ok=True)
+    partial = archive.with_name(archive.name + ".partial")
+    with partial.open("wb") as raw, gzip.GzipFile(fileobj=raw, mode="wb", compresslevel=9, mtime=0) as file:
+        file.write("".join(line + "\n" for line in lines).encode())
+    os.replace(partial, archive)
+
+
+def _restore_from_archive(path: Path, written: list[str], archive: Path) -> list[str]:
+    """Extend the file's records with the archive's later ones; both must agree where they overlap."""
+    archived = read_archive(archive)
+    for line_number, (ours, theirs) in enumerate(zip(written, archived), 1):
+        if ours != theirs:
+            raise ValueError(f"{path}:{line_number} differs from record {line_number} of the archive {archive}; "
+                             "one of them was regenerated from other inputs or settings")
+    if len(archived) <= len(written):
+        return written
+    print(f"{path}: {len(archived) - len(written)} regenerated conversations taken from {archive}")
+    with path.open("a") as file:
+        file.write("".join(line + "\n" for line in archived[len(written):]))
+    return archived
 
 
 def _complete_lines(path: Path) -> list[str]:
