@@ -1,16 +1,17 @@
 """Training-pipeline throughput against an earlier revision's code, side by side in one process (warm).
 
     python scripts/training_throughput.py distill --baseline ffdb866   # chunked vs continuous batching
-    python scripts/training_throughput.py ttt --baseline ffdb866       # LM head everywhere vs loss blocks
+    python scripts/training_throughput.py ttt --baseline ffdb866,7bd893c   # the TTT step of each revision and now
     python scripts/training_throughput.py distill --baseline ffdb866 --baseline-engine   # all of it: its engine too
 
 distill: self-distillation of ShareGPT conversations (max 4 turns) with SmolLM2, greedy, on one
 engine: the baseline's `regenerate_chunk` (every turn of a batch waits for its longest row) against
 `train.distill.regenerate` (continuous batching); also checks that both wrote the same conversations.
 With --baseline-engine the chunked baseline also runs on the baseline revision's own engine (its whole
-`specjax` package, imported as `specjax_baseline`), so the ratio is everything since then.
+`specjax` package, imported as `specjax_<rev>`), so the ratio is everything since then.
 ttt: one EAGLE-3 TTT step (loss, gradient, AdamW) on packed ShareGPT rows with the target's real
-features and logits: the baseline's `ttt_loss` against `train.ttt.ttt_loss`, f32, and the latter in bf16.
+features and logits: each baseline revision's `train/ttt.py` on its own `specjax` (the draft model
+too), against the current code in f32 and bf16; ratios are to the first revision.
 The baseline modules are read with `git show REV:train/...` (run inside the repository).
 """
 
@@ -77,7 +78,8 @@ def measure_distill(args, config, params, tokenizer):
 
 
 def measure_ttt(args, config, params, tokenizer):
-    dense = baseline_module(args.baseline, "train/ttt.py")
+    revisions = args.baseline.split(",")
+    baselines = {rev: baseline_module(rev, "train/ttt.py", own_package=True) for rev in revisions}
     batch, length, draft_vocab = 8, args.seq_len, 8192
     conversations = sharegpt.load(sharegpt.source_path("sharegpt"), max_turns=4, max_records=300).train[:200]
     rows = data.to_rows([data.tokenize_conversation(tokenizer, c) for c in conversations], length, pack=True)
@@ -112,8 +114,8 @@ def measure_ttt(args, config, params, tokenizer):
             jax.block_until_ready(total)
         return run
 
-    variants = {"baseline f32": make_step(dense, jnp.float32), "blockwise f32": make_step(ttt, jnp.float32),
-                "blockwise bf16": make_step(ttt, jnp.bfloat16)}
+    variants = {f"{rev} f32": make_step(module, jnp.float32) for rev, module in baselines.items()}
+    variants.update({"now f32": make_step(ttt, jnp.float32), "now bf16": make_step(ttt, jnp.bfloat16)})
     for run in variants.values():
         run()  # compile
     times = interleaved(variants, args.repeats)
@@ -125,7 +127,7 @@ def measure_ttt(args, config, params, tokenizer):
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("what", choices=["distill", "ttt"])
-    parser.add_argument("--baseline", default="ffdb866", help="git revision whose code is the baseline")
+    parser.add_argument("--baseline", default="ffdb866", help="git revision whose code is the baseline (ttt: several, comma-separated)")
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--baseline-engine", action="store_true", help="distill: the baseline runs on its own revision's engine")
     parser.add_argument("--conversations", type=int, default=32)

@@ -14,6 +14,7 @@ from specjax.checkpoints import hf
 from specjax.kv_cache import KVCache
 from specjax.models import eagle3, llama
 from specjax.models.config import ModelConfig
+from specjax.models.dense import dense
 
 TINY = dict(
     vocab_size=128,
@@ -264,3 +265,15 @@ def test_config_from_hf_reads_families_and_rejects_unsupported():
     with pytest.raises(ValueError, match="gpt2"):
         ModelConfig.from_hf({**TINY, "model_type": "gpt2"})
     assert eagle3.feature_layers(30) == (2, 15, 27)
+
+
+@pytest.mark.parametrize("dtype, atol", [(jnp.float32, 1e-5), (jnp.bfloat16, 5e-2)])
+def test_dense_has_the_values_and_gradients_of_a_matmul(dtype, atol):
+    x = jax.random.normal(jax.random.key(0), (2, 5, 6), dtype)
+    w = jax.random.normal(jax.random.key(1), (6, 3), dtype)
+    loss = lambda matmul: lambda x, w: jnp.sum(jnp.sin(matmul(x, w).astype(jnp.float32)))
+    np.testing.assert_allclose(dense(x, w).astype(np.float32), (x @ w).astype(np.float32), atol=atol)
+    got, want = (jax.jit(jax.grad(loss(f), argnums=(0, 1)))(x, w) for f in (dense, jnp.matmul))
+    for a, b in zip(got, want):
+        assert a.dtype == b.dtype and a.shape == b.shape
+        np.testing.assert_allclose(a.astype(np.float32), b.astype(np.float32), atol=atol)

@@ -64,21 +64,29 @@ def test_ttt_step_k_equals_the_inference_chain():
             hidden = out.hidden
 
 
-def test_ttt_attention_is_causal_plus_diagonal():
-    """Dense attention with the explicit [T, (k+1)T] mask equals ttt_attention."""
+@pytest.mark.parametrize("block", [ttt.ATTENTION_BLOCK, 4])  # one block; blocks of 4 over 10 queries (last one short)
+def test_ttt_attention_is_causal_plus_diagonal(block):
+    """Dense attention with the explicit [T, (k+1)T] mask equals ttt_attention, values and gradients."""
     keys = jax.random.split(jax.random.key(1), 7)
-    batch, length, dim = 2, 6, 8
+    batch, length, dim = 2, 10, 8
     q = jax.random.normal(keys[0], (batch, length, 4, dim))
     step_keys = [jax.random.normal(keys[1 + i], (batch, length, 2, dim)) for i in range(3)]
     step_values = [jax.random.normal(keys[4 + i], (batch, length, 2, dim)) for i in range(3)]
-    got = jax.jit(ttt.ttt_attention)(q, step_keys[0], step_values[0], step_keys[1:], step_values[1:])
-    mask = np.concatenate([np.tril(np.ones((length, length), bool))] + [np.eye(length, dtype=bool)] * 2, 1)
-    all_k = np.repeat(np.concatenate(step_keys, 1), 2, axis=2)  # [B, 3T, Hq, D]
-    all_v = np.repeat(np.concatenate(step_values, 1), 2, axis=2)
-    scores = np.einsum("bthd,bshd->bhts", q, all_k) / np.sqrt(dim)
-    scores = np.exp(np.where(mask, scores - scores.max(-1, keepdims=True), -np.inf))
-    probs = scores / scores.sum(-1, keepdims=True)
-    np.testing.assert_allclose(got, np.einsum("bhts,bshd->bthd", probs, all_v), atol=1e-5)
+    mask = jnp.concatenate([jnp.tril(jnp.ones((length, length), bool))] + [jnp.eye(length, dtype=bool)] * 2, 1)
+
+    def dense(q, k0, v0, k_diag, v_diag):
+        all_k = jnp.repeat(jnp.concatenate([k0, *k_diag], 1), 2, axis=2)  # [B, 3T, Hq, D]
+        all_v = jnp.repeat(jnp.concatenate([v0, *v_diag], 1), 2, axis=2)
+        scores = jnp.where(mask, jnp.einsum("bthd,bshd->bhts", q, all_k) / np.sqrt(dim), -jnp.inf)
+        return jnp.einsum("bhts,bshd->bthd", jax.nn.softmax(scores, -1), all_v)
+
+    blocked = lambda *args: ttt.ttt_attention(*args, block=block)
+    args = (q, step_keys[0], step_values[0], step_keys[1:], step_values[1:])
+    np.testing.assert_allclose(jax.jit(blocked)(*args), dense(*args), atol=1e-5)
+    loss = lambda attend: lambda *args: jnp.sum(jnp.sin(attend(*args)))
+    got, want = (jax.grad(loss(f), argnums=(0, 1, 2, 3, 4))(*args) for f in (blocked, dense))
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        np.testing.assert_allclose(a, b, atol=1e-5)
 
 
 def test_ttt_loss_matches_a_per_position_reference():

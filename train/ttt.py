@@ -31,29 +31,51 @@ def shift_left(x: jax.Array, amount: int) -> jax.Array:
     return jnp.concatenate([x[:, amount:], pad], axis=1)
 
 
+#: Queries per block of the TTT attention: a block reads only the step-0 keys up to its last query.
+ATTENTION_BLOCK = 128
+
+
 def ttt_attention(
-    q: jax.Array, k0: jax.Array, v0: jax.Array, k_diag: list[jax.Array], v_diag: list[jax.Array]
+    q: jax.Array, k0: jax.Array, v0: jax.Array, k_diag: list[jax.Array], v_diag: list[jax.Array],
+    block: int = ATTENTION_BLOCK,
 ) -> jax.Array:
     """Causal attention over step-0 keys plus, per query, its own index's keys of later steps.
 
     q: [B, T, Hq, D]; k0, v0 and each of k_diag, v_diag: [B, T, Hkv, D]. Returns [B, T, Hq, D].
+    Head-major inside, query block by query block (the masked upper triangle is mostly never
+    computed), with one softmax over the causal and diagonal scores that never concatenates them.
     """
     batch, length, num_heads, dim = q.shape
-    num_kv_heads = k0.shape[2]
-    qg = q.astype(jnp.float32).reshape(batch, length, num_kv_heads, num_heads // num_kv_heads, dim)
-    qg = qg * dim**-0.5  # [B, T, Hkv, G, D]
-    causal = jnp.tril(jnp.ones((length, length), bool))
-    scores = jnp.einsum("btkgd,bukd->btkgu", qg, k0.astype(jnp.float32))  # [B, T, Hkv, G, T]
-    scores = jnp.where(causal[None, :, None, None, :], scores, -jnp.inf)
+    num_kv_heads, dtype = k0.shape[2], q.dtype
+    group = num_heads // num_kv_heads
+    heads_major = lambda x: x.astype(jnp.float32).transpose(0, 2, 1, 3)  # [B, T, Hkv, D] -> [B, Hkv, T, D]
+    q = (q.astype(jnp.float32) * dim**-0.5).reshape(batch, length, num_kv_heads, group, dim)
+    q = q.transpose(0, 2, 3, 1, 4)  # [B, Hkv, G, T, D]
+    k0, v0 = heads_major(k0), heads_major(v0)
     if k_diag:
-        keys = jnp.stack(k_diag, axis=3).astype(jnp.float32)  # [B, T, Hkv, K, D]
-        scores = jnp.concatenate([scores, jnp.einsum("btkgd,btkjd->btkgj", qg, keys)], axis=-1)
-    probs = jax.nn.softmax(scores, axis=-1)
-    out = jnp.einsum("btkgu,bukd->btkgd", probs[..., :length], v0.astype(jnp.float32))
-    if v_diag:
-        values = jnp.stack(v_diag, axis=3).astype(jnp.float32)  # [B, T, Hkv, K, D]
-        out = out + jnp.einsum("btkgj,btkjd->btkgd", probs[..., length:], values)
-    return out.reshape(batch, length, num_heads, dim).astype(q.dtype)
+        keys = jnp.stack([heads_major(k) for k in k_diag], axis=3)  # [B, Hkv, T, K, D]
+        values = jnp.stack([heads_major(v) for v in v_diag], axis=3)
+        diag_scores = jnp.einsum("bkgtd,bktjd->bkgtj", q, keys)  # [B, Hkv, G, T, K]
+    outputs = []
+    for start in range(0, length, block):
+        stop = min(start + block, length)
+        scores = jnp.einsum("bkgcd,bkud->bkgcu", q[:, :, :, start:stop], k0[:, :, :stop])  # [B, Hkv, G, C, stop]
+        causal = jnp.arange(start, stop)[:, None] >= jnp.arange(stop)[None, :]
+        scores = jnp.where(causal, scores, -jnp.inf)
+        top = scores.max(-1)
+        if k_diag:
+            top = jnp.maximum(top, diag_scores[:, :, :, start:stop].max(-1))
+        top = jax.lax.stop_gradient(top)[..., None]  # any shift gives the same softmax
+        weights = jnp.exp(scores - top)
+        numerator = jnp.einsum("bkgcu,bkud->bkgcd", weights, v0[:, :, :stop])  # [B, Hkv, G, C, D]
+        denominator = weights.sum(-1)
+        if k_diag:
+            diag_weights = jnp.exp(diag_scores[:, :, :, start:stop] - top)
+            numerator = numerator + jnp.einsum("bkgcj,bkcjd->bkgcd", diag_weights, values[:, :, start:stop])
+            denominator = denominator + diag_weights.sum(-1)
+        outputs.append(numerator / denominator[..., None])
+    out = jnp.concatenate(outputs, axis=3)  # [B, Hkv, G, T, D]
+    return out.transpose(0, 3, 1, 2, 4).reshape(batch, length, num_heads, dim).astype(dtype)
 
 
 def ttt_hidden(

@@ -24,6 +24,7 @@ import jax.numpy as jnp
 from specjax.kv_cache import KVCache
 from specjax.models.attention import attention
 from specjax.models.config import Llama3RopeScaling, ModelConfig, layer_shape
+from specjax.models.dense import dense
 from specjax.models.llama import apply_rope, rms_norm, rope_frequencies
 
 Params = dict[str, jax.Array]
@@ -88,14 +89,14 @@ def init_params(config: Eagle1Config, key: jax.Array, dtype=jnp.float32) -> Para
 def fuse(params: Params, token_embeddings: jax.Array, features: jax.Array) -> jax.Array:
     """fc over concat(embedding, feature): [B, T, H] twice -> x [B, T, H]."""
     dtype = params["fc"].dtype
-    x = jnp.concatenate([token_embeddings.astype(dtype), features.astype(dtype)], -1) @ params["fc"]
+    x = dense(jnp.concatenate([token_embeddings.astype(dtype), features.astype(dtype)], -1), params["fc"])
     return x + params["fc_bias"] if "fc_bias" in params else x
 
 
 def layer_qkv(params: Params, config: Eagle1Config, x: jax.Array, positions: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Rotated queries [B, T, Hq, D], keys and values [B, T, Hkv, D] of the layer input x [B, T, H]."""
     batch, length, _ = x.shape
-    heads = lambda w, n: (x @ w).reshape(batch, length, n, config.head_dim)
+    heads = lambda w, n: dense(x, w).reshape(batch, length, n, config.head_dim)
     inv_freq = rope_frequencies(config)
     q = apply_rope(heads(params["q_proj"], config.num_heads), positions, inv_freq)
     k = apply_rope(heads(params["k_proj"], config.num_kv_heads), positions, inv_freq)
@@ -105,9 +106,9 @@ def layer_qkv(params: Params, config: Eagle1Config, x: jax.Array, positions: jax
 def layer_output(params: Params, config: Eagle1Config, x: jax.Array, attention_out: jax.Array) -> jax.Array:
     """From the layer input x [B, T, H] and attention output [B, T, Hq, D]: the predicted features [B, T, H]."""
     batch, length, _ = x.shape
-    h = x + attention_out.reshape(batch, length, -1).astype(x.dtype) @ params["o_proj"]
+    h = x + dense(attention_out.reshape(batch, length, -1).astype(x.dtype), params["o_proj"])
     normed = rms_norm(h, params["post_attention_layernorm"], config.rms_norm_eps)
-    return h + (jax.nn.silu(normed @ params["gate_proj"]) * (normed @ params["up_proj"])) @ params["down_proj"]
+    return h + dense(jax.nn.silu(dense(normed, params["gate_proj"])) * dense(normed, params["up_proj"]), params["down_proj"])
 
 
 def forward(

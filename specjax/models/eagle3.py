@@ -26,6 +26,7 @@ from flax import struct
 from specjax.kv_cache import KVCache
 from specjax.models.attention import attention
 from specjax.models.config import Llama3RopeScaling, ModelConfig, layer_shape
+from specjax.models.dense import dense
 from specjax.models.llama import apply_rope, rms_norm, rope_frequencies
 
 Params = dict[str, jax.Array]
@@ -143,7 +144,7 @@ def draft_to_target(draft_ids: jax.Array, d2t: jax.Array) -> jax.Array:
 
 def project_features(params: Params, features: jax.Array) -> jax.Array:
     """fc: [B, T, 3H] concatenated target features (low, mid, high) -> [B, T, H]."""
-    return features.astype(params["fc"].dtype) @ params["fc"]
+    return dense(features.astype(params["fc"].dtype), params["fc"])
 
 
 def midlayer_qkv(
@@ -163,7 +164,7 @@ def midlayer_qkv(
         ],
         axis=-1,
     )  # [B, T, 2H]
-    heads = lambda w, n: (x @ w).reshape(batch, length, n, config.head_dim)
+    heads = lambda w, n: dense(x, w).reshape(batch, length, n, config.head_dim)
     inv_freq = rope_frequencies(config)
     q = apply_rope(heads(params["q_proj"], config.num_heads), positions, inv_freq)
     k = apply_rope(heads(params["k_proj"], config.num_kv_heads), positions, inv_freq)
@@ -186,14 +187,14 @@ def midlayer_hidden(params: Params, config: Eagle3Config, hidden: jax.Array, att
     residual = hidden.astype(dtype)
     if config.norm_before_residual:
         residual = rms_norm(residual, params["hidden_norm"], config.rms_norm_eps)
-    hidden = residual + attention_out.reshape(batch, length, -1).astype(dtype) @ params["o_proj"]
+    hidden = residual + dense(attention_out.reshape(batch, length, -1).astype(dtype), params["o_proj"])
     x = rms_norm(hidden, params["post_attention_layernorm"], config.rms_norm_eps)
-    return hidden + (jax.nn.silu(x @ params["gate_proj"]) * (x @ params["up_proj"])) @ params["down_proj"]
+    return hidden + dense(jax.nn.silu(dense(x, params["gate_proj"])) * dense(x, params["up_proj"]), params["down_proj"])
 
 
 def head_logits(params: Params, config: Eagle3Config, hidden: jax.Array) -> jax.Array:
     """h_out [..., H] -> float32 draft-vocabulary logits [..., Vd] (final norm, lm_head)."""
-    return (rms_norm(hidden, params["norm"], config.rms_norm_eps) @ params["lm_head"]).astype(jnp.float32)
+    return dense(rms_norm(hidden, params["norm"], config.rms_norm_eps), params["lm_head"]).astype(jnp.float32)
 
 
 def forward(
