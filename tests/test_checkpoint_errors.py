@@ -12,7 +12,6 @@ import struct
 import time
 from pathlib import Path
 
-import gguf
 import ml_dtypes
 import numpy as np
 import pytest

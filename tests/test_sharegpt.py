@@ -58,8 +58,8 @@ def load(path: Path, **options) -> sharegpt.Loaded:
         ("위 내용을 한국어로 번역해서 보여줘. 최대한 자세하게 설명해 주세요.", False),
         ("import numpy as np\ndef moving_average(values, window):\n    kernel = np.ones(window) / window\n"
          "    return np.convolve(values, kernel, mode='valid')", True),  # code: English keywords, no other language's
-        (f"¿Puedes explicar este código?\n```python\nfor item in items:\n    if item is not None and item in seen:\n"
-         f"        print(item)\n```\nQuiero saber qué hace cada línea y por qué es necesaria.", False),  # code block ignored
+        ("¿Puedes explicar este código?\n```python\nfor item in items:\n    if item is not None and item in seen:\n"
+         "        print(item)\n```\nQuiero saber qué hace cada línea y por qué es necesaria.", False),  # code block ignored
         ("12345 + 67890 = 80235", False),  # no letters
     ],
 )
