@@ -27,7 +27,7 @@ from infer import common
 from infer import prompts as prompt_sets
 from specjax import theory
 from specjax.drafters.registry import MethodSpec
-from specjax.engine import Engine, Stats
+from specjax.engine import Engine, Stats, tokens_per_call
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -90,8 +90,7 @@ def tau_by_category(accepted_hist: np.ndarray, row_categories: list[str]) -> dic
     """accepted_hist [R, D + 1] per row -> {category: tokens per verifier call over its rows}."""
     taus = {}
     for category in dict.fromkeys(row_categories):
-        rows = accepted_hist[[c == category for c in row_categories]]
-        taus[category] = Stats(accepted_hist=rows, reached=np.zeros((len(rows), 0)), steps_by_depth=np.zeros(0), prefill_s=0.0, decode_s=0.0, tokens=[]).tau
+        taus[category] = tokens_per_call(accepted_hist[[c == category for c in row_categories]])
     return taus
 
 

@@ -87,6 +87,12 @@ class DecodeState:
     guess_class: jax.Array  # [B] its class, 0: no guess
 
 
+def tokens_per_call(accepted_hist: np.ndarray) -> float:
+    """accepted_hist [..., D + 1] verifier calls by drafts accepted -> tokens emitted per call (tau)."""
+    counts = np.arange(accepted_hist.shape[-1]) + 1
+    return float((accepted_hist * counts).sum() / max(accepted_hist.sum(), 1))
+
+
 @dataclasses.dataclass
 class Stats:
     """Decode statistics of one generate call; rows that finished early stop counting."""
@@ -105,8 +111,7 @@ class Stats:
     @property
     def tau(self) -> float:
         """Tokens emitted per verifier call over the batch (the bonus/residual token included)."""
-        counts = np.arange(self.accepted_hist.shape[-1]) + 1
-        return float((self.accepted_hist * counts).sum() / max(self.accepted_hist.sum(), 1))
+        return tokens_per_call(self.accepted_hist)
 
     @property
     def acceptance_by_position(self) -> np.ndarray:
