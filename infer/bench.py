@@ -11,6 +11,8 @@ the speedup is the median of each run's ratio to the autoregressive run of the s
 Greedy decoding by default, so every method emits the same tokens. --control adds a second
 plain-decoding engine built like the first (`ar (control)`): its speedup over ar is what two
 identical engines differ by in this run, the resolution of every other speedup.
+With --prompts mt-bench, also per MT-bench category: tau, acceptance by position, and the speedup
+where every batch holds one category (batch size 1).
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ from infer import common
 from infer import prompts as prompt_sets
 from specjax import theory
 from specjax.drafters.registry import MethodSpec
-from specjax.engine import Engine, Stats, tokens_per_call
+from specjax.engine import Engine, Stats, acceptance_by_position, tokens_per_call
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -86,18 +88,34 @@ def interleaved_passes(engines: dict, batches, sampling, max_new_tokens: int, re
     return passes
 
 
-def tau_by_category(accepted_hist: np.ndarray, row_categories: list[str]) -> dict[str, float]:
-    """accepted_hist [R, D + 1] per row -> {category: tokens per verifier call over its rows}."""
-    taus = {}
+def by_category(passes: list, row_categories: list[str]) -> dict[str, dict]:
+    """Per prompt category: tau and acceptance by position over its rows (the last pass), and its
+    tokens/s in each pass where every batch holds one category (else None: batches mix them).
+
+    passes: one engine's [(seconds, tokens, runs)] (`timed_pass`); row_categories: each row's
+    category, in the order of the batches' rows."""
+    runs = passes[-1][2]
+    hist, reached = np.concatenate([r.accepted_hist for r in runs]), np.concatenate([r.reached for r in runs])
+    bounds = np.cumsum([0] + [len(r.tokens) for r in runs])
+    batch_categories = [set(row_categories[a:b]) for a, b in zip(bounds[:-1], bounds[1:])]
+    pure = all(len(c) == 1 for c in batch_categories)
+    table = {}
     for category in dict.fromkeys(row_categories):
-        taus[category] = tokens_per_call(accepted_hist[[c == category for c in row_categories]])
-    return taus
+        rows = np.array([c == category for c in row_categories])
+        batches = [i for i, c in enumerate(batch_categories) if c == {category}]
+        rate = lambda runs: sum(runs[i].num_generated for i in batches) / sum(runs[i].decode_s for i in batches)
+        table[category] = {
+            "tau": tokens_per_call(hist[rows]),
+            "acceptance_by_position": acceptance_by_position(hist[rows], reached[rows]).tolist(),
+            "tokens_per_s_by_repeat": [rate(p[2]) for p in passes] if pure else None,
+        }
+    return table
 
 
 def bench_batch_size(engines: dict[str, Engine], batches, args, row_categories: list[str] | None = None) -> list[dict]:
     """All methods ({label: engine}) at one batch size: warm-up, --repeats interleaved passes (medians), step profiles.
 
-    row_categories: the prompt category of each row of `batches` (in order), for tau by category."""
+    row_categories: the prompt category of each row of `batches` (in order), for the figures by category."""
     batch_size = len(batches[0])
     sampling = common.sampling_params(args, batch_size)
     passes = interleaved_passes(engines, batches, sampling, args.max_new_tokens, args.repeats, args.seed)
@@ -131,7 +149,7 @@ def bench_batch_size(engines: dict[str, Engine], batches, args, row_categories: 
         if engine.drafter.variants is not None:  # what each depth costs, relative to depth 0, as the engine priced it
             results[-1]["depth_costs"] = np.asarray(engine.depth_costs(batch_size)).tolist()
         if row_categories is not None:
-            results[-1]["tau_by_category"] = tau_by_category(stats.accepted_hist, row_categories)
+            results[-1]["by_category"] = by_category(passes[label], row_categories)
     return results
 
 
@@ -146,6 +164,9 @@ def summarise(results: list[dict]) -> None:
         ratios = np.array(r["tokens_per_s_by_repeat"]) / np.array(ar["tokens_per_s_by_repeat"])
         r["speedup_by_repeat"] = ratios.tolist()
         r["speedup"] = float(np.median(ratios))
+        for name, category in r.get("by_category", {}).items():  # speedup per category where batches hold one
+            rates, ar_rates = category["tokens_per_s_by_repeat"], ar["by_category"][name]["tokens_per_s_by_repeat"]
+            category["speedup"] = None if rates is None else float(np.median(np.array(rates) / np.array(ar_rates)))
         r["c"] = r["t_draft_ms"] / r["t_decode_ms"]
         r["verify_over_decode"] = r["t_verify_ms"] / r["t_decode_ms"]
         draft_ms = r["t_draft_ms"] if r["method"] != "ar" else 0.0
@@ -170,12 +191,15 @@ def table(results: list[dict]) -> str:
 
 
 def category_table(results: list[dict]) -> str:
-    """tau per prompt category (MT-bench's), one row per method and batch size."""
-    names = list(results[0]["tau_by_category"])
-    header = f"{'method':<16}{'batch':>6}" + "".join(f"{name[:10]:>11}" for name in names)
-    lines = [header, "-" * len(header)]
+    """Per method and batch size, each prompt category's tau, speedup (where batches hold one
+    category) and acceptance by position."""
+    lines = []
     for r in results:
-        lines.append(f"{r['method']:<16}{r['batch_size']:>6}" + "".join(f"{r['tau_by_category'][n]:>11.2f}" for n in names))
+        lines.append(f"{r['method'] + ', batch ' + str(r['batch_size']):<24}{'tau':>7}{'speedup':>9}  acceptance by position")
+        for name, category in r["by_category"].items():
+            speedup = "-" if category.get("speedup") is None else f"{category['speedup']:.2f}"
+            accept = " ".join(f"{a:.2f}" for a in category["acceptance_by_position"])
+            lines.append(f"  {name:<22}{category['tau']:>7.2f}{speedup:>9}  {accept}")
     return "\n".join(lines)
 
 
@@ -239,7 +263,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
             print(f"batch {r['batch_size']}: {CONTROL}, plain decoding again, ran at {r['speedup']:.3f}x of ar (rounds "
                   f"{low:.3f}-{high:.3f}): speedups within that spread of 1.0 are not resolved by this run")
     if categories is not None:
-        print("\ntau by category\n" + category_table(results))
+        print("\nby MT-bench category\n" + category_table(results))
     meta = {k: v for k, v in vars(args).items() if k != "method_specs"}
     Path(args.out).write_text(json.dumps({"args": meta, "results": results}, indent=2) + "\n")
     print(f"wrote {args.out}")

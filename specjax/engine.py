@@ -88,9 +88,17 @@ class DecodeState:
 
 
 def tokens_per_call(accepted_hist: np.ndarray) -> float:
-    """accepted_hist [..., D + 1] verifier calls by drafts accepted -> tokens emitted per call (tau)."""
+    """accepted_hist [R, D + 1] verifier calls by drafts accepted -> tokens emitted per call (tau)."""
     counts = np.arange(accepted_hist.shape[-1]) + 1
     return float((accepted_hist * counts).sum() / max(accepted_hist.sum(), 1))
+
+
+def acceptance_by_position(accepted_hist: np.ndarray, reached: np.ndarray) -> np.ndarray:
+    """accepted_hist [R, D + 1], reached [R, D] (calls that verified position i) -> [D]
+    P(draft position i accepted | position i verified), pooled over the rows."""
+    hist = accepted_hist.sum(0)  # [D + 1]
+    accepted = np.cumsum(hist[::-1])[::-1][1:]  # [D] calls with accepted > i
+    return accepted / np.maximum(reached.sum(0), 1)
 
 
 @dataclasses.dataclass
@@ -116,9 +124,7 @@ class Stats:
     @property
     def acceptance_by_position(self) -> np.ndarray:
         """[D] P(draft position i accepted | position i verified), over the batch."""
-        hist = self.accepted_hist.sum(0)  # [D + 1]
-        accepted = np.cumsum(hist[::-1])[::-1][1:]  # [D] calls with accepted > i
-        return accepted / np.maximum(self.reached.sum(0), 1)
+        return acceptance_by_position(self.accepted_hist, self.reached)
 
     @property
     def drafting_share(self) -> float:

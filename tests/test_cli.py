@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import types
 
 import numpy as np
 import pytest
@@ -140,10 +141,33 @@ def test_bench_and_tune_refuse_flags_they_do_not_take(capsys):
 
 
 
-def test_tau_by_category_pools_the_rows_of_each_category():
-    hist = np.array([[2, 1, 0], [0, 0, 4], [1, 1, 1], [4, 0, 0]])  # [rows, D + 1] calls by accepted drafts
-    taus = bench.tau_by_category(hist, ["a", "b", "a", "c"])
-    assert taus == {"a": (2 + 2 + 1 + 2 + 3) / 6, "b": 3.0, "c": 1.0}
+def test_figures_by_category_pool_the_rows_of_each_category():
+    def run(hist, reached, seconds):  # one batch: [rows, D + 1] calls by accepted drafts, [rows, D] positions verified
+        hist, reached = np.array(hist), np.array(reached)
+        return types.SimpleNamespace(accepted_hist=hist, reached=reached, tokens=[[]] * len(hist),
+                                     num_generated=int((hist * [1, 2, 3]).sum()), decode_s=seconds)
+
+    def passes(slowdown):
+        batches = [run([[2, 1, 0]], [[3, 1]], 1.0), run([[0, 0, 4]], [[4, 4]], 2.0), run([[1, 1, 1]], [[3, 2]], 3.0),
+                   run([[4, 0, 0]], [[4, 0]], 4.0 * slowdown)]
+        return [(0.0, 0, batches), (0.0, 0, batches)]
+
+    table = bench.by_category(passes(1.0), ["a", "b", "a", "c"])
+    assert table["a"]["tau"] == (2 + 2 + 1 + 2 + 3) / 6 and table["b"]["tau"] == 3.0 and table["c"]["tau"] == 1.0
+    assert table["a"]["acceptance_by_position"] == [(1 + 2) / (3 + 3), 1 / (1 + 2)]
+    assert table["b"]["acceptance_by_position"] == [1.0, 1.0] and table["c"]["acceptance_by_position"] == [0.0, 0.0]
+    assert table["a"]["tokens_per_s_by_repeat"] == [(4 + 6) / (1.0 + 3.0)] * 2 and table["c"]["tokens_per_s_by_repeat"] == [1.0] * 2
+
+    rows = [{"method": m, "batch_size": 1, "tokens_per_s_by_repeat": [1.0, 1.0], "tau": 1.0, "adaptive": True,
+             "t_draft_ms": 0.0, "t_decode_ms": 1.0, "t_verify_ms": 1.0, "by_category": bench.by_category(passes(s), ["a", "b", "a", "c"])}
+            for m, s in (("ar", 1.0), ("ngram:3", 2.0))]
+    bench.summarise(rows)
+    assert rows[1]["by_category"]["c"]["speedup"] == pytest.approx(0.5) and rows[1]["by_category"]["a"]["speedup"] == 1.0
+    assert "  c" in bench.category_table(rows)
+
+    two_rows = [run([[2, 1, 0], [0, 0, 4]], [[1, 0], [4, 4]], 1.0)]  # one batch holding two categories
+    assert bench.by_category([(0.0, 0, two_rows)], ["a", "b"])["a"]["tokens_per_s_by_repeat"] is None
+
 
 def test_draft_flag_goes_to_one_method_or_every_drafting_method():
     args = bench.parse_args(["--methods", "draft:3,eagle3:3,medusa", "--draft", "draft=runs/lm", "--draft", "eagle3=a=b"])
@@ -192,7 +216,9 @@ def test_bench_reports_tau_by_mt_bench_category(tmp_path, capsys):
     out = tmp_path / "bench.json"
     bench.main(["--methods", "ar,ngram:3", "--batch-size", "2", "--num-prompts", "4", "--max-new-tokens", "8",
                 "--repeats", "1", "--prompts", "mt-bench", "--out", str(out)])
-    assert "tau by category" in capsys.readouterr().out
+    assert "by MT-bench category" in capsys.readouterr().out
     for r in json.loads(out.read_text())["results"]:
-        assert list(r["tau_by_category"]) == ["writing", "roleplay", "reasoning", "math"]  # the first 4 of the round-robin
-        assert min(r["tau_by_category"].values()) <= r["tau"] <= max(r["tau_by_category"].values())
+        assert list(r["by_category"]) == ["writing", "roleplay", "reasoning", "math"]  # the first 4 of the round-robin
+        taus = [c["tau"] for c in r["by_category"].values()]
+        assert min(taus) <= r["tau"] <= max(taus)
+        assert all(c["speedup"] is None for c in r["by_category"].values())  # batches of 2 mix categories
