@@ -126,3 +126,7 @@ def test_an_archive_carries_the_records_to_a_fresh_directory_and_must_agree_with
 
     with pytest.raises(ValueError, match="differs from record 1 of the archive"):
         distill.regenerate_to_file(first, RECORDS, CONFIG, PARAMS, tokenizer, archive=archive, **kwargs)
+
+    archive.write_bytes(archive.read_bytes()[:-12])  # cut short (a partial copy)
+    with pytest.raises(ValueError, match="distilled.jsonl.gz is not a whole gzip archive"):
+        distill.regenerate_to_file(fresh, RECORDS, CONFIG, PARAMS, tokenizer, archive=archive, **kwargs)

@@ -172,8 +172,11 @@ def regenerate_to_file(
 
 def read_archive(archive: Path) -> list[str]:
     """The records (jsonl lines) of a gzip archive written by `write_archive`."""
-    with gzip.open(archive, "rt") as file:
-        return file.read().splitlines()
+    try:
+        with gzip.open(archive, "rt") as file:
+            return file.read().splitlines()
+    except (OSError, EOFError, UnicodeDecodeError) as error:  # not gzip, cut short, not text
+        raise ValueError(f"{archive} is not a whole gzip archive of distilled records ({error})") from error
 
 
 def write_archive(path: Path, archive: Path) -> None:
