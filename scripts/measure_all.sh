@@ -25,9 +25,9 @@ python -m infer.bench --methods $AUTO --batch-size 1,4 --prompts mt-bench --num-
     --out results/bench_auto_mtbench.json | tee results/bench_auto_mtbench.txt
 python -m infer.bench --methods ar,eagle3+ngram:2,eagle3+ngram:3,eagle3+ngram:4,eagle3+ngram:5,eagle3+ngram:auto3,eagle3+ngram:auto5 \
     --batch-size 1 --prompts code --num-prompts 8 --max-new-tokens 64 --repeats 3 --out results/bench_auto_code.json | tee results/bench_auto_code.txt
-# Self-distillation and TTT step throughput against the code before continuous batching and the blockwise head.
+# Self-distillation and TTT step throughput against earlier revisions (each on its own specjax for the TTT step).
 python scripts/training_throughput.py distill --baseline ffdb866 | tee results/distill_throughput.txt
-python scripts/training_throughput.py ttt --baseline ffdb866 | tee results/ttt_throughput.txt
+python scripts/training_throughput.py ttt --baseline ffdb866,7bd893c | tee results/ttt_throughput.txt
 # The lesson's table: a vanilla draft model, Medusa, EAGLE-1 (chain, static tree, EAGLE-2 tree),
 # EAGLE-3 (chain, EAGLE-2 tree) and Lookahead, on code and MT-bench, batch 1 and 4. The draft model is
 # trained here first if missing (it needs the corpus of scripts/build_smollm2_corpus.py).
