@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
 import pytest
 
 from engine_helpers import tiny_config, tiny_params, word_tokenizer
+from specjax.drafters.base import BuildContext
+from specjax.drafters.registry import MethodSpec
 from specjax.engine import Engine
 from train import distill
 
@@ -130,3 +133,13 @@ def test_an_archive_carries_the_records_to_a_fresh_directory_and_must_agree_with
     archive.write_bytes(archive.read_bytes()[:-12])  # cut short (a partial copy)
     with pytest.raises(ValueError, match="distilled.jsonl.gz is not a whole gzip archive"):
         distill.regenerate_to_file(fresh, RECORDS, CONFIG, PARAMS, tokenizer, archive=archive, **kwargs)
+
+
+def test_a_speculative_engine_writes_the_same_conversations(tmp_path):
+    tokenizer = word_tokenizer()
+    kwargs = dict(batch_size=2, max_prompt_tokens=32, max_new_tokens=MAX_NEW)
+    plain, speculative = tmp_path / "plain.jsonl", tmp_path / "speculative.jsonl"
+    drafter = MethodSpec.parse("ngram:auto3").build(BuildContext(CONFIG, PARAMS, None, np.float32))
+    assert distill.regenerate_to_file(plain, RECORDS, CONFIG, PARAMS, tokenizer, **kwargs) == 3
+    assert distill.regenerate_to_file(speculative, RECORDS, CONFIG, PARAMS, tokenizer, drafter=drafter, **kwargs) == 3
+    assert speculative.read_text() == plain.read_text()

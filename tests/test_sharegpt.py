@@ -211,6 +211,8 @@ def test_missing_wheel_and_files_are_named(tmp_path, monkeypatch):
         (dict(data="sharegpt", held_out_permille=1000), r"config key held_out_permille must be in \[0, 1000\), got 1000"),
         (dict(data="sharegpt", max_conversations=-1), "config key max_conversations must be >= 0, got -1"),
         (dict(data="sharegpt", distilled_archive="a.jsonl.gz"), "distilled_archive keeps self-distilled conversations: set self_distill"),
+        (dict(data="sharegpt", self_distill=True, distill_method="ngram:auto0"), "config key distill_method: "),
+        (dict(data="sharegpt", distill_method="ngram:auto5"), "distill_method is how self-distillation decodes: set self_distill"),
     ],
 )
 def test_config_errors_name_the_keys(values, message):

@@ -10,6 +10,8 @@ from typing import Any
 
 import yaml
 
+from specjax.drafters.registry import MethodSpec
+
 
 @dataclasses.dataclass(frozen=True)
 class TrainConfig:
@@ -44,6 +46,7 @@ class TrainConfig:
     distill_max_new_tokens: int = 256
     distill_batch_size: int = 16
     distill_temperature: float = 0.0
+    distill_method: str = "ar"  # the engine's decoding method for distillation, e.g. "ngram:auto5" (exact: the same text)
     distilled_archive: str = ""  # the distilled conversations gzip-compressed (e.g. kept in the repository): read first, rewritten as they grow
 
     # Draft and loss.
@@ -92,6 +95,12 @@ class TrainConfig:
         sharegpt_only = [name for name in SHAREGPT_KEYS if getattr(self, name) != _DEFAULTS[name]]
         if sharegpt_only and not self.data:
             raise ValueError(f"config keys {', '.join(sharegpt_only)} apply to ShareGPT data only: set data")
+        try:
+            MethodSpec.parse(self.distill_method)
+        except ValueError as error:
+            raise ValueError(f"config key distill_method: {error}") from error
+        if self.distill_method != "ar" and not self.self_distill:
+            raise ValueError("config key distill_method is how self-distillation decodes: set self_distill")
         if self.distilled_archive and not self.self_distill:
             raise ValueError("config key distilled_archive keeps self-distilled conversations: set self_distill")
         if self.tau_eval_every and not (self.eval_samples and self.tau_eval_prompts > 0):

@@ -33,6 +33,8 @@ from jax.sharding import PartitionSpec as P
 from tqdm import tqdm
 
 from specjax.checkpoints import default_model_path, load_model
+from specjax.drafters.base import BuildContext, Drafter
+from specjax.drafters.registry import MethodSpec
 from specjax.models import llama
 from specjax.models.config import ModelConfig
 from train import data, distill, sharegpt
@@ -363,6 +365,14 @@ def sharegpt_conversations(config: TrainConfig, tokenizer) -> list[list[dict[str
     return loaded.train
 
 
+def distill_drafter(config: TrainConfig, target: Target) -> Drafter | None:
+    """The drafter of `distill_method` on the target (None: plain decoding)."""
+    spec = MethodSpec.parse(config.distill_method)
+    if spec.method == "ar":
+        return None
+    return spec.build(BuildContext(target.config, target.params, None, DTYPES[config.compute_dtype]))
+
+
 def token_rows(config: TrainConfig, target: Target) -> data.TokenRows:
     """The data as token rows (self-distilled if asked), cached in output_dir/rows.npz under a key of their inputs."""
     tokenizer_path = Path(config.tokenizer) if config.tokenizer else target.path
@@ -391,6 +401,7 @@ def token_rows(config: TrainConfig, target: Target) -> data.TokenRows:
                 tokenizer, batch_size=config.distill_batch_size, max_prompt_tokens=config.seq_len,
                 max_new_tokens=config.distill_max_new_tokens, temperature=config.distill_temperature, seed=config.seed,
                 archive=Path(config.distilled_archive) if config.distilled_archive else None,
+                drafter=distill_drafter(config, target),
             )
             conversations = distill.load_regenerated(path)
         rows = data.to_rows([data.tokenize_conversation(tokenizer, c) for c in conversations], config.seq_len, config.pack)

@@ -26,6 +26,7 @@ from typing import Any, Iterator
 import numpy as np
 from tqdm import tqdm
 
+from specjax.drafters.base import Drafter
 from specjax.engine import Engine
 from specjax.models.config import ModelConfig
 from specjax.sampling import SamplingParams
@@ -116,6 +117,7 @@ def regenerate_to_file(
     path: Path, records: list[dict[str, Any]], target_config: ModelConfig, target_params, tokenizer, *,
     batch_size: int = 32, max_prompt_tokens: int = 512, max_new_tokens: int = 256, temperature: float = 0.0,
     seed: int = 0, time_budget_s: float = float("inf"), archive: Path | None = None, archive_every: int = 100,
+    drafter: Drafter | None = None,
 ) -> int:
     """Regenerate `records` ({"conversations": messages, ...}) into the jsonl file at `path`.
 
@@ -123,7 +125,8 @@ def regenerate_to_file(
     conversations in flight). Resumes after the records already in the file (which must be the
     same inputs: the first user turn of each is checked). Returns the number of records written
     so far; less than len(records) only when the time budget ran out (no conversation starts
-    after it; those started are finished). With an `archive` (see `write_archive`), records it holds
+    after it; those started are finished). `drafter`: the engine's method (None: plain decoding; a
+    speculative one writes the same text greedily, faster where it pays). With an `archive` (see `write_archive`), records it holds
     beyond the file's are copied into the file first, and it is rewritten every `archive_every`
     records and at the end.
     """
@@ -142,7 +145,7 @@ def regenerate_to_file(
         return len(written)
     max_len = -(-(max_prompt_tokens + max_new_tokens + 1) // 64) * 64
     eos_ids = tuple(dict.fromkeys(target_config.eos_token_ids + ((tokenizer.eos_token_id,) if tokenizer.eos_token_id is not None else ())))
-    engine = Engine(target_config, target_params, max_len=max_len, attention_chunk=64, eos_ids=eos_ids)
+    engine = Engine(target_config, target_params, drafter, max_len=max_len, attention_chunk=64, eos_ids=eos_ids)
     start, generated, done = time.time(), 0, len(written)
     todo = records[done:]
     finished: dict[int, Messages] = {}  # completed out of order, waiting for the ones before them
