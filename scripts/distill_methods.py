@@ -32,7 +32,7 @@ def main():
     config, params = checkpoints.load_model(path, np.float32)
     tokenizer = data.load_tokenizer(str(path))
     conversations = sharegpt.load(sharegpt.source_path("sharegpt"), max_turns=4, max_records=400).train[: args.conversations]
-    eos = tuple(dict.fromkeys(config.eos_token_ids + ((tokenizer.eos_token_id,) if tokenizer.eos_token_id is not None else ())))
+    eos = distill.stop_ids(config, tokenizer)
     methods = ["ar", *args.methods.split(";")]
     engines = {}
     for method in methods:

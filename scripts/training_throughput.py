@@ -49,7 +49,7 @@ def interleaved(variants: dict, repeats: int) -> dict:
 def measure_distill(args, config, params, tokenizer):
     chunked = baseline_module(args.baseline, "train/distill.py")
     conversations = sharegpt.load(sharegpt.source_path("sharegpt"), max_turns=4, max_records=400).train[: args.conversations]
-    eos = tuple(dict.fromkeys(config.eos_token_ids + ((tokenizer.eos_token_id,) if tokenizer.eos_token_id is not None else ())))
+    eos = distill.stop_ids(config, tokenizer)
     max_prompt = 512
     max_len = -(-(max_prompt + args.max_new_tokens + 1) // 64) * 64
     engine = Engine(config, params, max_len=max_len, attention_chunk=64, eos_ids=eos)

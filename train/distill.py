@@ -113,6 +113,12 @@ def _trimmed(messages: Messages) -> Messages:
     return messages[: last_assistant + 1] if last_assistant >= 0 else messages
 
 
+def stop_ids(target_config: ModelConfig, tokenizer) -> tuple[int, ...]:
+    """The token ids that end a turn: the model's EOS ids and the tokenizer's, once each."""
+    extra = (tokenizer.eos_token_id,) if tokenizer.eos_token_id is not None else ()
+    return tuple(dict.fromkeys(target_config.eos_token_ids + extra))
+
+
 def regenerate_to_file(
     path: Path, records: list[dict[str, Any]], target_config: ModelConfig, target_params, tokenizer, *,
     batch_size: int = 32, max_prompt_tokens: int = 512, max_new_tokens: int = 256, temperature: float = 0.0,
@@ -144,7 +150,7 @@ def regenerate_to_file(
             write_archive(path, archive)
         return len(written)
     max_len = -(-(max_prompt_tokens + max_new_tokens + 1) // 64) * 64
-    eos_ids = tuple(dict.fromkeys(target_config.eos_token_ids + ((tokenizer.eos_token_id,) if tokenizer.eos_token_id is not None else ())))
+    eos_ids = stop_ids(target_config, tokenizer)
     engine = Engine(target_config, target_params, drafter, max_len=max_len, attention_chunk=64, eos_ids=eos_ids)
     start, generated, done = time.time(), 0, len(written)
     todo = records[done:]
