@@ -28,7 +28,7 @@ python -m infer.bench --methods ar,eagle3+ngram:2,eagle3+ngram:3,eagle3+ngram:4,
 # Self-distillation and TTT step throughput against earlier revisions (each on its own specjax for the TTT step).
 python scripts/training_throughput.py distill --baseline ffdb866 | tee results/distill_throughput.txt
 python scripts/training_throughput.py ttt --baseline ffdb866,7bd893c | tee results/ttt_throughput.txt
-python scripts/distill_methods.py --methods ngram:auto5 | tee results/distill_methods.txt
+python scripts/training_throughput.py distill --methods ngram:auto5 | tee results/distill_methods.txt
 # The lesson's table: a vanilla draft model, Medusa, EAGLE-1 (chain, static tree, EAGLE-2 tree),
 # EAGLE-3 (chain, EAGLE-2 tree) and Lookahead, on code and MT-bench, batch 1 and 4. The draft model is
 # trained here first if missing (it needs the corpus of scripts/build_smollm2_corpus.py).

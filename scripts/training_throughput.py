@@ -3,12 +3,14 @@
     python scripts/training_throughput.py distill --baseline ffdb866   # chunked vs continuous batching
     python scripts/training_throughput.py ttt --baseline ffdb866,7bd893c   # the TTT step of each revision and now
     python scripts/training_throughput.py distill --baseline ffdb866 --baseline-engine   # all of it: its engine too
+    python scripts/training_throughput.py distill --methods ngram:auto5   # speculative regeneration too
 
 distill: self-distillation of ShareGPT conversations (max 4 turns) with SmolLM2, greedy, on one
 engine: the baseline's `regenerate_chunk` (every turn of a batch waits for its longest row) against
 `train.distill.regenerate` (continuous batching); also checks that both wrote the same conversations.
 With --baseline-engine the chunked baseline also runs on the baseline revision's own engine (its whole
-`specjax` package, imported as `specjax_<rev>`), so the ratio is everything since then.
+`specjax` package, imported as `specjax_<rev>`), so the ratio is everything since then. --methods adds
+continuous batching on a speculative engine per method (`distill_method`; greedy, so the same text).
 ttt: one EAGLE-3 TTT step (loss, gradient, AdamW) on packed ShareGPT rows with the target's real
 features and logits: each baseline revision's `train/ttt.py` on its own `specjax` (the draft model
 too), against the current code in f32 and bf16; ratios are to the first revision.
@@ -28,6 +30,8 @@ import optax
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 from specjax import checkpoints  # noqa: E402
+from specjax.drafters.base import BuildContext  # noqa: E402
+from specjax.drafters.registry import MethodSpec  # noqa: E402
 from specjax.engine import Engine  # noqa: E402
 from specjax.models import eagle3, llama  # noqa: E402
 from train import data, distill, eagle3_method, sharegpt, ttt  # noqa: E402
@@ -64,17 +68,25 @@ def measure_distill(args, config, params, tokenizer):
             out, tokens = out + chunk, tokens + generated
         results["chunked"] = out, tokens
 
-    def run_continuous(items=conversations):
-        done = sorted(distill.regenerate(engine, tokenizer, items, **settings))
-        results["continuous"] = [m for _, m, _ in done], sum(t for _, _, t in done)
+    def continuous(name, engine):
+        def run(items=conversations):
+            done = sorted(distill.regenerate(engine, tokenizer, items, **settings))
+            results[name] = [m for _, m, _ in done], sum(t for _, _, t in done)
+        return run
 
-    for run in (run_chunked, run_continuous):
+    variants = {"chunked": run_chunked, "continuous": continuous("continuous", engine)}
+    for method in filter(None, args.methods.split(";")):
+        drafter = MethodSpec.parse(method).build(BuildContext(config, params, None, np.float32))
+        variants[f"continuous, {method}"] = continuous(method, Engine(config, params, drafter, max_len=max_len, attention_chunk=64, eos_ids=eos))
+    for run in variants.values():
         run(conversations[:2])  # compile
-    times = interleaved({"chunked": run_chunked, "continuous": run_continuous}, args.repeats)
-    same = sum(a == b for a, b in zip(results["chunked"][0], results["continuous"][0]))
+    times = interleaved(variants, args.repeats)
     print(f"{len(conversations)} ShareGPT conversations (max 4 turns), batch {args.batch_size}, "
-          f"max_new_tokens {args.max_new_tokens}, SmolLM2 float32, greedy; identical conversations {same}/{len(conversations)}")
-    return {name: results[name][1] / np.array(seconds) for name, seconds in times.items()}
+          f"max_new_tokens {args.max_new_tokens}, SmolLM2 float32, greedy")
+    for name, (written, _) in results.items():
+        same = sum(a == b for a, b in zip(results["chunked"][0], written))
+        print(f"{name:24s} identical conversations to chunked {same}/{len(conversations)}")
+    return {name: results[name.removeprefix("continuous, ")][1] / np.array(seconds) for name, seconds in times.items()}
 
 
 def measure_ttt(args, config, params, tokenizer):
@@ -130,6 +142,7 @@ def main():
     parser.add_argument("--baseline", default="ffdb866", help="git revision whose code is the baseline (ttt: several, comma-separated)")
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--baseline-engine", action="store_true", help="distill: the baseline runs on its own revision's engine")
+    parser.add_argument("--methods", default="", help="distill: speculative methods to regenerate with too, separated by ';'")
     parser.add_argument("--conversations", type=int, default=32)
     parser.add_argument("--batch-size", type=int, default=16)
     parser.add_argument("--max-new-tokens", type=int, default=192)
@@ -141,7 +154,7 @@ def main():
     rates = (measure_distill if args.what == "distill" else measure_ttt)(args, config, params, tokenizer)
     base = np.median(next(iter(rates.values())))
     for name, per_repeat in rates.items():
-        print(f"{name:15s} tokens/s {' '.join(f'{r:7.1f}' for r in per_repeat)}  median {np.median(per_repeat):7.1f}  "
+        print(f"{name:24s} tokens/s {' '.join(f'{r:7.1f}' for r in per_repeat)}  median {np.median(per_repeat):7.1f}  "
               f"ratio {np.median(per_repeat) / base:.2f}x")
 
 

@@ -349,15 +349,21 @@ def offline_features(method: Method, rows: data.TokenRows, directory: Path, batc
     return {path.stem: np.load(path, mmap_mode="r") for path in sorted(directory.glob("*.npy"))}
 
 
-def sharegpt_conversations(config: TrainConfig, tokenizer) -> list[list[dict[str, str]]]:
-    """The training split of the ShareGPT data `config.data` (train.sharegpt), none containing an MT-bench
-    question; its report is printed and written to output_dir/data_report.json."""
-    loaded = sharegpt.load(
+def load_sharegpt(config: TrainConfig, tokenizer) -> sharegpt.Loaded:
+    """The ShareGPT data `config.data` cleaned and split as the config says (train.sharegpt), tokens
+    counted with the target's tokenizer; conversations containing an MT-bench question are dropped."""
+    return sharegpt.load(
         sharegpt.source_path(config.data), max_turns=config.max_turns, max_tokens=config.max_conversation_tokens,
         count_tokens=lambda text: len(tokenizer(text, add_special_tokens=False)["input_ids"]),
         held_out_permille=config.held_out_permille, max_records=config.max_conversations,
         benchmark_prompts=sharegpt.mt_bench_questions(),
     )
+
+
+def sharegpt_conversations(config: TrainConfig, tokenizer) -> list[list[dict[str, str]]]:
+    """The training split of the ShareGPT data `config.data` (train.sharegpt), none containing an MT-bench
+    question; its report is printed and written to output_dir/data_report.json."""
+    loaded = load_sharegpt(config, tokenizer)
     print(loaded.report.summary(), file=sys.stderr)
     (Path(config.output_dir) / "data_report.json").write_text(loaded.report.to_json())
     if not loaded.train:
