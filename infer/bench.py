@@ -11,6 +11,8 @@ the speedup is the median of each run's ratio to the autoregressive run of the s
 Greedy decoding by default, so every method emits the same tokens. --control adds a second
 plain-decoding engine built like the first (`ar (control)`): its speedup over ar is what two
 identical engines differ by in this run, the resolution of every other speedup.
+--compare-draft NAME=PATH benches every method that drafts with a draft a second time on PATH,
+labelled METHOD@NAME: two drafts of one method side by side (e.g. a new EAGLE-3 head and the shipped one).
 With --prompts mt-bench, also per MT-bench category: tau, acceptance by position, and the speedup
 where every batch holds one category (batch size 1).
 """
@@ -41,13 +43,43 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--num-prompts", type=common.POSITIVE_INT, default=4, help="prompts per batch-size run (cycled to fill batches)")
     common.add_sampling_args(parser)
     parser.add_argument("--repeats", type=common.POSITIVE_INT, default=3)
+    parser.add_argument("--compare-draft", action="append", default=[], metavar="NAME=PATH",
+                        help="also bench every method that drafts with a draft on PATH, labelled METHOD@NAME (repeatable)")
     parser.add_argument("--control", action="store_true", help=f"add a second plain-decoding engine ({CONTROL!r}) to show the run's resolution")
     parser.add_argument("--out", default="bench.json", help="JSON results")
     parser.add_argument("--plots", default=None, help="directory for PNG plots (speedup, acceptance)")
     args = parser.parse_args(argv)
     args.method_specs = split_methods(args.methods)
     common.check_draft_flag(args, args.method_specs)
+    args.compare_drafts = compare_drafts(args.compare_draft, args.method_specs)
     return args
+
+
+def compare_drafts(values: list[str], specs: list[MethodSpec]) -> dict[str, str]:
+    """--compare-draft values -> {name: path}; a value without NAME=, a name given twice, or no
+    method to use it is a ValueError."""
+    drafts: dict[str, str] = {}
+    for value in values:
+        name, sep, path = value.partition("=")
+        if not (sep and name.isidentifier() and path):
+            raise ValueError(f"--compare-draft {value!r}: give NAME=PATH (NAME labels the runs, e.g. shipped=specjax/drafts/...)")
+        if name in drafts:
+            raise ValueError(f"--compare-draft given twice for {name!r}: {drafts[name]!r} and {path!r}")
+        drafts[name] = path
+    if drafts and not any(spec.info.draft for spec in specs):
+        raise ValueError(f"--compare-draft is not used by {', '.join(s.label for s in specs)}: none drafts with a draft")
+    return drafts
+
+
+def engine_plan(args: argparse.Namespace) -> dict[str, tuple[MethodSpec, str | None]]:
+    """{label: (spec, draft path or None for --draft's)}: the methods, each drafting one again on every
+    --compare-draft (METHOD@NAME, right after it), and the control last."""
+    plan: dict[str, tuple[MethodSpec, str | None]] = {}
+    for spec in args.method_specs:
+        plan[spec.label] = spec, None
+        if spec.info.draft:
+            plan |= {f"{spec.label}@{name}": (spec, path) for name, path in args.compare_drafts.items()}
+    return plan | ({CONTROL: (MethodSpec("ar"), None)} if args.control else {})
 
 
 #: The label of --control's engine: plain decoding again, built and timed like `ar`.
@@ -241,11 +273,10 @@ def main(argv: list[str] | None = None) -> list[dict]:
     config, params, tokenizer = common.load_target(args)
     token_ids = prompt_sets.token_ids(tokenizer, args.prompts, args.num_prompts)
     categories = prompt_sets.categories(args.prompts)
-    specs = {spec.label: spec for spec in args.method_specs} | ({CONTROL: MethodSpec("ar")} if args.control else {})
     engines = {
-        label: Engine(config, params, common.build_drafter(spec, args, config, params),
+        label: Engine(config, params, common.build_drafter(spec, args, config, params, draft),
                       max_len=args.max_len, eos_ids=tokenizer.eos_token_ids)
-        for label, spec in specs.items()
+        for label, (spec, draft) in engine_plan(args).items()
     }
     results = []
     for batch_size in tqdm(args.batch_size, desc="bench", unit="batch size"):
@@ -264,7 +295,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
                   f"{low:.3f}-{high:.3f}): speedups within that spread of 1.0 are not resolved by this run")
     if categories is not None:
         print("\nby MT-bench category\n" + category_table(results))
-    meta = {k: v for k, v in vars(args).items() if k != "method_specs"}
+    meta = {k: v for k, v in vars(args).items() if k not in ("method_specs", "compare_drafts")}
     Path(args.out).write_text(json.dumps({"args": meta, "results": results}, indent=2) + "\n")
     print(f"wrote {args.out}")
     if args.plots:

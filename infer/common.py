@@ -154,10 +154,12 @@ def load_target(args: argparse.Namespace) -> tuple[ModelConfig, dict, Tokenizer]
     return config, params, tokenizer_lib.load(path)
 
 
-def build_drafter(spec: MethodSpec, args: argparse.Namespace, config: ModelConfig, params) -> Drafter:
-    """The spec's drafter; --draft goes to the methods that draft with one (METHOD=PATH to that method)."""
-    paths = draft_paths(args.draft)
-    draft = paths.get(spec.method, paths.get(None)) if spec.info.draft else None
+def build_drafter(spec: MethodSpec, args: argparse.Namespace, config: ModelConfig, params, draft: str | None = None) -> Drafter:
+    """The spec's drafter; --draft goes to the methods that draft with one (METHOD=PATH to that method),
+    unless `draft` names the one to use."""
+    if draft is None and spec.info.draft:
+        paths = draft_paths(args.draft)
+        draft = paths.get(spec.method, paths.get(None))
     return spec.build(BuildContext(config, params, draft, DTYPES[args.dtype]))
 
 

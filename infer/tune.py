@@ -25,6 +25,7 @@ from pathlib import Path
 import numpy as np
 
 from infer import common
+from infer.bench import CONTROL
 from specjax import theory
 from specjax.drafters.registry import METHODS, MethodSpec
 from specjax.drafters.base import TREE
@@ -147,6 +148,8 @@ def measured_from_bench(path: str) -> dict:
     results = json.loads(Path(path).read_text())["results"]
     measured: dict = {"verify": {1: 1.0}}
     for r in results:
+        if r["method"] == CONTROL or "@" in r["method"]:  # plain decoding again; a method on another draft
+            continue
         spec = MethodSpec.parse(r["method"])
         if spec.method == "ar" or spec.adaptive:  # adaptive rows mix depths and draft where acceptance runs high
             continue

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from infer import bench, common, generate, tune
+from specjax.drafters.registry import MethodSpec
 
 PROMPT = "Repeat exactly: alpha beta gamma delta, alpha beta gamma delta."
 
@@ -181,6 +182,24 @@ def test_draft_flag_goes_to_one_method_or_every_drafting_method():
     ):
         with pytest.raises(ValueError, match=message):
             bench.parse_args(["--methods", "ngram:5,eagle3:3", *argv])
+
+
+def test_compare_draft_benches_each_drafting_method_again_on_another_draft():
+    args = bench.parse_args(["--methods", "ngram:3,eagle3:3,eagle3+ngram:3", "--draft", "new", "--compare-draft", "old=a/b",
+                             "--compare-draft", "older=c", "--control"])
+    plan = bench.engine_plan(args)
+    assert list(plan) == ["ar", "ngram:3", "eagle3:3", "eagle3:3@old", "eagle3:3@older", "eagle3+ngram:3",
+                          "eagle3+ngram:3@old", "eagle3+ngram:3@older", bench.CONTROL]
+    assert plan["eagle3:3"] == (MethodSpec("eagle3", 3), None) and plan["eagle3+ngram:3@older"][1] == "c"
+    for argv, message in (
+        (["--compare-draft", "a/b"], "give NAME=PATH"),
+        (["--compare-draft", "old="], "give NAME=PATH"),
+        (["--compare-draft", "x=a", "--compare-draft", "x=b"], "--compare-draft given twice for 'x'"),
+    ):
+        with pytest.raises(ValueError, match=message):
+            bench.parse_args(["--methods", "eagle3:3", *argv])
+    with pytest.raises(ValueError, match="--compare-draft is not used by ar, ngram:3"):
+        bench.parse_args(["--methods", "ngram:3", "--compare-draft", "x=a"])
 
 
 def test_bench_speedup_is_the_median_of_ratios_within_a_round():

@@ -78,6 +78,16 @@ def test_bench_adaptive_rows_do_not_replace_a_chains_acceptance(tmp_path):
     assert tune.measured_from_bench(str(path))["ngram"]["alpha"] == pytest.approx(0.9)
 
 
+def test_bench_rows_of_the_control_and_of_a_compared_draft_are_not_evidence(tmp_path):
+    row = {"batch_size": 1, "block": 4, "verify_over_decode": 1.2, "c": 0.3}
+    bench = {"results": [{**row, "method": "eagle3:3", "acceptance_by_position": [0.6] * 3},
+                         {**row, "method": "eagle3:3@shipped", "acceptance_by_position": [0.1] * 3},
+                         {**row, "method": "ar (control)", "acceptance_by_position": []}]}
+    path = tmp_path / "bench.json"
+    path.write_text(json.dumps(bench))
+    assert tune.measured_from_bench(str(path))["eagle3"]["alpha"] == pytest.approx(0.6)
+
+
 @pytest.mark.parametrize("argv", [["--task", "code"], ["--task", "chat", "--batch-size", "64"], ["--methods", "eagle3", "--measure-top", "1"]])
 def test_measure_sweeps_the_best_chain_fixed_and_adaptive(argv):
     args = tune.parse_args(argv)
