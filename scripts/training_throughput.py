@@ -77,7 +77,8 @@ def measure_distill(args, config, params, tokenizer):
     variants = {"chunked": run_chunked, "continuous": continuous("continuous", engine)}
     for method in filter(None, args.methods.split(";")):
         drafter = MethodSpec.parse(method).build(BuildContext(config, params, None, np.float32))
-        variants[f"continuous, {method}"] = continuous(method, Engine(config, params, drafter, max_len=max_len, attention_chunk=64, eos_ids=eos))
+        name = f"continuous, {method}"
+        variants[name] = continuous(name, Engine(config, params, drafter, max_len=max_len, attention_chunk=64, eos_ids=eos))
     for run in variants.values():
         run(conversations[:2])  # compile
     times = interleaved(variants, args.repeats)
@@ -86,7 +87,7 @@ def measure_distill(args, config, params, tokenizer):
     for name, (written, _) in results.items():
         same = sum(a == b for a, b in zip(results["chunked"][0], written))
         print(f"{name:24s} identical conversations to chunked {same}/{len(conversations)}")
-    return {name: results[name.removeprefix("continuous, ")][1] / np.array(seconds) for name, seconds in times.items()}
+    return {name: results[name][1] / np.array(seconds) for name, seconds in times.items()}
 
 
 def measure_ttt(args, config, params, tokenizer):
