@@ -120,6 +120,22 @@ def test_ttt_loss_matches_a_per_position_reference():
     np.testing.assert_allclose(ttt.acceptance_length(jnp.array([0.5, 0.5, 0.0])), 1.75)
 
 
+def test_bfloat16_ttt_loss_and_gradient_follow_float32():
+    """compute_dtype bfloat16 (bf16 dots accumulating in f32): the f32 loss within bf16 rounding,
+    and every weight's gradient pointing the same way as the f32 one."""
+    params = eagle3.init_params(DRAFT, jax.random.key(7))
+    inputs = _synthetic(2, 10)
+    loss_fn = lambda dtype: jax.jit(jax.value_and_grad(lambda p: ttt.ttt_loss(
+        jax.tree.map(lambda x: x.astype(dtype), p), DRAFT, inputs[0].astype(dtype), inputs[1].astype(dtype), *inputs[2:],
+        num_steps=3)[0]))
+    (want, want_grad), (got, got_grad) = loss_fn(jnp.float32)(params), loss_fn(jnp.bfloat16)(params)
+    np.testing.assert_allclose(got, want, rtol=2e-2)
+    for name in ("fc", "q_proj", "o_proj", "down_proj", "lm_head"):
+        a, b = (np.asarray(g[name], np.float32).ravel() for g in (got_grad, want_grad))
+        assert a.dtype == np.float32 and np.linalg.norm(b) > 0
+        assert a @ b / (np.linalg.norm(a) * np.linalg.norm(b)) > 0.99, name
+
+
 def test_the_blockwise_head_loss_has_the_dense_loss_and_gradient():
     """Blocks of 4 positions sorted loss-first (skipping those with none) == the head over every position."""
     params = eagle3.init_params(DRAFT, jax.random.key(3))
@@ -132,7 +148,8 @@ def test_the_blockwise_head_loss_has_the_dense_loss_and_gradient():
         cross_entropy = -jnp.sum(jax.nn.softmax(target) * jax.nn.log_softmax(logits), -1)
         agree = weight & (jnp.argmax(logits, -1) == jnp.argmax(target, -1))
         return jnp.sum(jnp.where(weight, cross_entropy, 0.0)), jnp.sum(agree)
-    blockwise = lambda params: ttt.masked_head_loss(params, DRAFT, hidden, target_logits, weight, offset=2, block=4)
+    target = jax.nn.softmax(target_logits), jnp.argmax(target_logits, -1)
+    blockwise = lambda params: ttt.masked_head_loss(params, DRAFT, hidden, *target, weight, offset=2, block=4)
     (want, want_agree), (got, got_agree) = dense(params), jax.jit(blockwise)(params)
     np.testing.assert_allclose(got, want, rtol=1e-5)
     assert int(got_agree) == int(want_agree)
