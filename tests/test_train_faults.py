@@ -119,6 +119,22 @@ def test_cli_run_then_changed_data_rebuilds_the_caches(target_dir, tmp_path):
         eagle3_method.prepare(config)
 
 
+def test_target_dtype_keeps_the_float32_target_under_bfloat16_compute(target_dir, tmp_path):
+    """compute_dtype bfloat16 with target_dtype float32: the target (and so its offline features,
+    reused from the float32 run's cache) stays float32; without target_dtype it follows compute_dtype."""
+    config = _config(target_dir, tmp_path, features="offline")
+    eagle3_method.prepare(config)
+    features_key = (tmp_path / "run" / "features" / "key").read_text()
+    setup = eagle3_method.prepare(make_config({**vars(config), "compute_dtype": "bfloat16", "target_dtype": "float32"}))
+    assert (tmp_path / "run" / "features" / "key").read_text() == features_key
+    assert setup.method.target_params["embed_tokens"].dtype == jnp.float32 and setup.method.loss.compute_dtype == "bfloat16"
+    setup = eagle3_method.prepare(make_config({**vars(config), "compute_dtype": "bfloat16"}))
+    assert (tmp_path / "run" / "features" / "key").read_text() != features_key
+    assert setup.method.target_params["embed_tokens"].dtype == jnp.bfloat16
+    with pytest.raises(ValueError, match="target_dtype"):
+        make_config({**vars(config), "target_dtype": "float16"})
+
+
 def test_an_empty_first_run_saves_no_cache(target_dir, tmp_path):
     path = tmp_path / "chats.jsonl"
     path.write_text(json.dumps({"conversations": [{"role": "user", "content": "hi"}]}) + "\n")

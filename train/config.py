@@ -56,6 +56,7 @@ class TrainConfig:
     eagle1_cls_weight: float = 0.1  # EAGLE-1: weight of the cross-entropy beside the feature regression
     draft_num_layers: int = 4  # draft model (train.draft_lm): the target's first layers it keeps
     compute_dtype: str = "float32"  # or "bfloat16" (master weights stay float32)
+    target_dtype: str = ""  # the target's, for its features and self-distillation ("" = compute_dtype)
 
     # Optimisation.
     batch_size: int = 8  # global sequences per micro-step
@@ -107,6 +108,11 @@ class TrainConfig:
             raise ValueError("tau_eval_every needs held-out rows: set eval_samples and tau_eval_prompts > 0")
 
     @property
+    def target_compute_dtype(self) -> str:
+        """The dtype the target runs in: target_dtype, else compute_dtype."""
+        return self.target_dtype or self.compute_dtype
+
+    @property
     def export_path(self) -> Path:
         return Path(self.export_dir or Path(self.output_dir) / "draft")
 
@@ -137,6 +143,7 @@ _RULES = {  # field: (valid(value), the rule in words); floats must also be fini
     "features": (lambda value: value in ("online", "offline"), "'online' or 'offline'"),
     "init_vocab": (lambda value: value in ("keep", "rebuild"), "'keep' or 'rebuild'"),
     "compute_dtype": (lambda value: value in ("float32", "bfloat16"), "'float32' or 'bfloat16'"),
+    "target_dtype": (lambda value: value in ("", "float32", "bfloat16"), "'float32', 'bfloat16' or '' (compute_dtype)"),
     "export_dtype": (lambda value: value in ("bfloat16", "float16", "float32"), "'bfloat16', 'float16' or 'float32'"),
 }
 

@@ -67,7 +67,7 @@ class Method(Protocol):
 class Target:
     path: Path  # HF directory or .gguf
     config: ModelConfig
-    params: llama.Params  # compute dtype
+    params: llama.Params  # in the target dtype (config.target_compute_dtype)
 
 
 @struct.dataclass
@@ -376,13 +376,13 @@ def distill_drafter(config: TrainConfig, target: Target) -> Drafter | None:
     spec = MethodSpec.parse(config.distill_method)
     if spec.method == "ar":
         return None
-    return spec.build(BuildContext(target.config, target.params, None, DTYPES[config.compute_dtype]))
+    return spec.build(BuildContext(target.config, target.params, None, DTYPES[config.target_compute_dtype]))
 
 
 def token_rows(config: TrainConfig, target: Target) -> data.TokenRows:
     """The data as token rows (self-distilled if asked), cached in output_dir/rows.npz under a key of their inputs."""
     tokenizer_path = Path(config.tokenizer) if config.tokenizer else target.path
-    distill_settings = ("distill_max_new_tokens", "distill_batch_size", "distill_temperature", "compute_dtype")
+    distill_settings = ("distill_max_new_tokens", "distill_batch_size", "distill_temperature", "target_compute_dtype")
     distilled_by = (target.path, *(getattr(config, name) for name in distill_settings)) if config.self_distill else ()
     settings = (config.seq_len, config.pack, config.max_samples, config.seed, config.self_distill, distilled_by)
     if config.data:  # the file and how it is cleaned (train.sharegpt)
@@ -426,7 +426,7 @@ def prepare(config: TrainConfig, make_method: Callable[[TrainConfig, Target, dat
         raise ValueError(f"batch_size {config.batch_size} must be a multiple of the {mesh.size} data-parallel devices")
     Path(config.output_dir).mkdir(parents=True, exist_ok=True)
     target_path = Path(config.target) if config.target else default_model_path()
-    target = Target(target_path, *load_model(target_path, DTYPES[config.compute_dtype]))
+    target = Target(target_path, *load_model(target_path, DTYPES[config.target_compute_dtype]))
     rows = token_rows(config, target)
     num_train = len(rows) - config.eval_samples
     if num_train < config.batch_size:
@@ -442,7 +442,7 @@ def prepare(config: TrainConfig, make_method: Callable[[TrainConfig, Target, dat
     identity_file.write_text(method.identity)
     offline = None
     if config.features == "offline":
-        key = fingerprint(rows.tokens, target.path, config.compute_dtype, method.identity)
+        key = fingerprint(rows.tokens, target.path, config.target_compute_dtype, method.identity)
         offline = offline_features(method, rows, config.features_path, config.batch_size, key)
     return Setup(config, method, train_rows, eval_rows, offline, mesh)
 

@@ -60,7 +60,7 @@ class DraftLMMethod:
 
     config: TrainConfig
     target_config: ModelConfig
-    target_params: llama.Params  # compute dtype
+    target_params: llama.Params  # in the target dtype (config.target_compute_dtype)
     name = "draft-lm"
 
     @property

@@ -122,7 +122,7 @@ class Eagle1Method:
 
     config: TrainConfig
     target_config: ModelConfig
-    target_params: llama.Params  # compute dtype
+    target_params: llama.Params  # in the target dtype (config.target_compute_dtype)
     vocab_ids: jax.Array  # [Vd] target ids of the cross-entropy's vocabulary
     name = "eagle1"
 

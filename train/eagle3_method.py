@@ -72,7 +72,7 @@ class Eagle3Method:
 
     config: TrainConfig
     target_config: ModelConfig
-    target_params: llama.Params  # compute dtype
+    target_params: llama.Params  # in the target dtype (config.target_compute_dtype)
     vocab: eagle3.DraftVocab
     initial_params: eagle3.Params | None = None  # from config.init_from; None = random init
     name = "eagle3"

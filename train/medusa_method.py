@@ -87,7 +87,7 @@ class MedusaMethod:
 
     config: TrainConfig
     target_config: ModelConfig
-    target_params: llama.Params  # compute dtype
+    target_params: llama.Params  # in the target dtype (config.target_compute_dtype)
     token_map: jax.Array  # [Vt] target ids of the truncated vocabulary
     name = "medusa"
 
