@@ -13,7 +13,8 @@ On a CPU with AMX-BF16 that is also what makes it fast: XLA:CPU (jaxlib 0.10) se
 bf16 -> bf16 dot, and the flat token-contracting dot of dw, run 3-5x slower than that
 (`scripts/xla_cpu_bf16_dots.py`). dw contracts over a leading unit axis as well, which XLA hands
 to the fast GEMM. Float32 operands keep the plain forms (there the extra axis costs ~15%).
-Forward values and gradients are those of x @ w (summation order aside); inference is unchanged.
+Forward values and gradients are those of x @ w (summation order aside); float32 inference is unchanged
+(a bf16 draft's dots now accumulate in float32).
 """
 
 from __future__ import annotations
