@@ -31,7 +31,7 @@ keys = jax.random.split(jax.random.key(0), 3)
 x, w, dy = (jax.random.normal(k, shape) for k, shape in zip(keys, [(T, K), (K, N), (T, N)]))
 contract_last = (((1,), (1,)), ((), ()))
 
-dots = {  # name: (function, operands in float32; the bf16 variants cast inside the timed call's inputs)
+dots = {  # what: {form: function of (x, w, dy)}; "float32" gets the f32 operands, every other form their bf16 casts
     "forward x @ w": {
         "float32": lambda x, w, dy: x @ w,
         "bf16 -> bf16": lambda x, w, dy: x @ w,
