@@ -90,8 +90,8 @@ def test_expected_tokens_follow_acceptance_by_position():
     counts[0, 0, :, 0] = [30, 25, 22, 20]  # accepted
     alpha, prior = [], adaptive.PRIOR[0]
     for accepted, tried in counts[0, 0]:  # each position's pseudo-try is at the estimate before it
-        prior = (accepted + prior) / (tried + 1)
-        alpha.append(prior)
+        alpha.append((accepted + prior) / (tried + 1))
+        prior = alpha[-1]
     expected = adaptive.expected_tokens(jnp.asarray(counts), jnp.zeros(1, jnp.int32), True)[0]
     np.testing.assert_allclose(expected, 1 + np.concatenate([[0], np.cumsum(np.cumprod(alpha))]), rtol=1e-6)
     # One draft pays 1.3 for 1.4 (no); four pay about 2.0 for 1.7 (yes).
@@ -124,10 +124,25 @@ def test_observe_counts_tried_positions_and_decays():
     np.testing.assert_allclose(short[:, 0, 2], stats[:, 0, 2])
     idle = observe(stats, [0, 0, 0], 0)  # a step without drafts or guesses: back towards the prior
     np.testing.assert_allclose(idle, np.asarray(stats) * [[[[adaptive.IDLE_DECAY]]], [[[adaptive.IDLE_DECAY]]], [[[1.0]]]])
-    np.testing.assert_allclose(adaptive.acceptance(jnp.zeros((1, 3, 2))), [[adaptive.PRIOR[0]] * 3])  # the prior
+    # Without evidence: the prior at position 1, nothing deeper while no first draft was right.
+    np.testing.assert_allclose(adaptive.acceptance(jnp.zeros((1, 3, 2))), [[adaptive.PRIOR[0], 0.0, 0.0]])
     # A position never reached is priced like the one before it: a right chain stays long.
     right = jnp.asarray([[[20.0, 20.0], [20.0, 20.0], [0.0, 0.0]]])
     assert float(adaptive.acceptance(right)[0, 2]) > 0.97
+    # Right once but long ago (decayed to half a count): deeper positions at half the estimate.
+    half = adaptive.acceptance(jnp.asarray([[[0.5, 1.0], [0.0, 0.0]]]))[0]
+    np.testing.assert_allclose(half[1], half[0] * 0.5, rtol=1e-6)
+
+
+def test_a_row_without_evidence_tries_one_draft_then_goes_deeper_once_right():
+    """On the prior a fresh row tries a single draft, not a chain; a right one makes the chain long,
+    a wrong one stops the drafting."""
+    costs, none, one = [1.0, 1.3, 1.5, 1.7], jnp.zeros(1, jnp.int32), jnp.ones(1, bool)
+    fresh = jnp.zeros((1, 1, 3, 2))
+    assert choose(fresh, costs) == 1
+    tried = lambda accepted: adaptive.observe(fresh, none, jnp.array([accepted]), 1, one, jnp.zeros(1, bool))
+    assert choose(tried(1), costs) == 3
+    assert choose(tried(0), costs) == 0
 
 
 def test_drafting_must_beat_plain_decoding_by_the_margin():
@@ -204,8 +219,10 @@ def test_the_engine_drafts_long_where_drafts_are_right_and_backs_off_where_wrong
     right = Engine(CONFIG, PARAMS, AdaptiveDepth(OracleChain(3), costs=ADAPTIVE_COSTS), max_len=MAX_LEN)
     stats = right.generate(PROMPTS, max_new_tokens=engine_tests.NEW_TOKENS)
     assert stats.tokens == autoregressive
-    # Every step drafts (the first at the prior's depth) but a last one with one token to go.
-    np.testing.assert_array_equal(stats.reached[:, 0], stats.calls - 1)
+    # Every step drafts, but a last one with one token to go: the first a single draft (the prior),
+    # a last one no more than its tokens left, the rest the whole chain.
+    assert np.all(stats.reached[:, 0] >= stats.calls - 1)
+    assert stats.steps_by_depth[1] >= 1 and stats.steps_by_depth[1:3].sum() <= 2
     assert stats.tau > 3.5
     # A random EAGLE-3 head is never right: the rows stop drafting, only probing now and then.
     wrong = engine_tests.engine_for("eagle3-auto").generate(PROMPTS, max_new_tokens=engine_tests.NEW_TOKENS)
