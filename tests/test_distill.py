@@ -143,3 +143,39 @@ def test_a_speculative_engine_writes_the_same_conversations(tmp_path):
     assert distill.regenerate_to_file(plain, RECORDS, CONFIG, PARAMS, tokenizer, **kwargs) == 3
     assert distill.regenerate_to_file(speculative, RECORDS, CONFIG, PARAMS, tokenizer, drafter=drafter, **kwargs) == 3
     assert speculative.read_text() == plain.read_text()
+
+
+def test_distilling_more_of_the_source_appends_to_the_file(tmp_path):
+    """The trainer distils conversations in source order and shuffles only the rows, so a run over
+    more of the source (max_conversations) goes on after a smaller run's records, and a smaller run
+    uses the first records of a larger one's file."""
+    from train import core
+    from train.config import make_config
+
+    tokenizer_dir = tmp_path / "tokenizer"
+    word_tokenizer().save_pretrained(tokenizer_dir)
+    turn = lambda speaker, text: {"from": speaker, "value": text}
+    records = [{"id": f"c{i}", "conversations": [turn("human", "hi there " * (i + 1)), turn("gpt", "hello you")]} for i in range(6)]
+    (tmp_path / "chats.json").write_text(json.dumps(records))
+    target = core.Target(tokenizer_dir, CONFIG, PARAMS)
+    path = tmp_path / "run" / "distilled.jsonl"
+    path.parent.mkdir()
+
+    def rows(max_conversations):
+        config = make_config(dict(
+            data=str(tmp_path / "chats.json"), tokenizer=str(tokenizer_dir), output_dir=str(tmp_path / "run"), seq_len=32,
+            held_out_permille=0, max_conversations=max_conversations, self_distill=True, distill_max_new_tokens=MAX_NEW,
+            distill_batch_size=2,
+        ))
+        (tmp_path / "run" / "rows.npz").unlink(missing_ok=True)
+        return core.token_rows(config, target)
+
+    first = rows(3)
+    three = path.read_text().splitlines()
+    assert [json.loads(line)["conversations"][0]["content"] for line in three] == ["hi there " * (i + 1) for i in range(3)]
+    rows(6)
+    six = path.read_text().splitlines()
+    assert len(six) == 6 and six[:3] == three  # appended, the first three untouched
+    again = rows(3)  # a smaller run takes the first three records of the larger file
+    np.testing.assert_array_equal(again.tokens, first.tokens)
+    assert path.read_text().splitlines() == six

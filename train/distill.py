@@ -8,7 +8,8 @@ batching: a row whose turn ends takes the next turn at once instead of idling un
 turn of its batch ends.
 
 Results are appended to a jsonl file in input order; rerunning with the same inputs resumes
-after the last record written. An archive (the same records, gzip-compressed, small enough to keep
+after the last record written, and with more inputs (the same ones first) goes on after them, so a
+corpus grows by appending; fewer inputs use the first records. An archive (the same records, gzip-compressed, small enough to keep
 in the repository) carries the work to another machine: a run starts from its records and rewrites
 it as it goes.
 """
@@ -129,8 +130,9 @@ def regenerate_to_file(
 
     Records are written in input order as soon as every earlier one is (a stop loses at most the
     conversations in flight). Resumes after the records already in the file (which must be the
-    same inputs: the first user turn of each is checked). Returns the number of records written
-    so far; less than len(records) only when the time budget ran out (no conversation starts
+    same inputs: the first user turn of each is checked); a file holding more records than there are
+    inputs (a larger run's) serves its first len(records). Returns the number of the inputs' records
+    in the file; less than len(records) only when the time budget ran out (no conversation starts
     after it; those started are finished). `drafter`: the engine's method (None: plain decoding; a
     speculative one writes the same text greedily, faster where it pays). With an `archive` (see `write_archive`), records it holds
     beyond the file's are copied into the file first, and it is rewritten every `archive_every`
@@ -143,12 +145,10 @@ def regenerate_to_file(
     for line_number, (line, record) in enumerate(zip(written, records), 1):
         if _first_user_turn(json.loads(line)["conversations"]) != _first_user_turn(record["conversations"]):
             raise ValueError(f"{path}:{line_number} was regenerated from different inputs; delete the file to start over")
-    if len(written) > len(records):
-        raise ValueError(f"{path} holds {len(written)} records, more than the {len(records)} inputs")
-    if len(written) == len(records):
+    if len(written) >= len(records):
         if archive is not None:
             write_archive(path, archive)
-        return len(written)
+        return len(records)
     max_len = -(-(max_prompt_tokens + max_new_tokens + 1) // 64) * 64
     eos_ids = stop_ids(target_config, tokenizer)
     engine = Engine(target_config, target_params, drafter, max_len=max_len, attention_chunk=64, eos_ids=eos_ids)
@@ -233,7 +233,7 @@ def _first_user_turn(messages: Messages) -> str:
     return next((m["content"] for m in messages if m["role"] == "user"), "")
 
 
-def load_regenerated(path: Path) -> list[Messages]:
-    """The regenerated conversations that kept at least one assistant turn."""
-    conversations = [json.loads(line)["conversations"] for line in path.read_text().splitlines()]
+def load_regenerated(path: Path, count: int | None = None) -> list[Messages]:
+    """The regenerated conversations of the first `count` records (None: all) that kept at least one assistant turn."""
+    conversations = [json.loads(line)["conversations"] for line in path.read_text().splitlines()[:count]]
     return [c for c in conversations if any(m["role"] == "assistant" for m in c)]
