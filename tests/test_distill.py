@@ -11,7 +11,9 @@ from engine_helpers import tiny_config, tiny_params, word_tokenizer
 from specjax.drafters.base import BuildContext
 from specjax.drafters.registry import MethodSpec
 from specjax.engine import Engine
-from train import distill
+from test_sharegpt import chat
+from train import core, distill
+from train.config import make_config
 
 END = 1  # '<end>' in the word tokenizer
 CONFIG = tiny_config(vocab_size=10, num_layers=2, eos=(END,))
@@ -149,14 +151,9 @@ def test_distilling_more_of_the_source_appends_to_the_file(tmp_path):
     """The trainer distils conversations in source order and shuffles only the rows, so a run over
     more of the source (max_conversations) goes on after a smaller run's records, and a smaller run
     uses the first records of a larger one's file."""
-    from train import core
-    from train.config import make_config
-
     tokenizer_dir = tmp_path / "tokenizer"
     word_tokenizer().save_pretrained(tokenizer_dir)
-    turn = lambda speaker, text: {"from": speaker, "value": text}
-    records = [{"id": f"c{i}", "conversations": [turn("human", "hi there " * (i + 1)), turn("gpt", "hello you")]} for i in range(6)]
-    (tmp_path / "chats.json").write_text(json.dumps(records))
+    (tmp_path / "chats.json").write_text(json.dumps([chat(f"c{i}", "hi there " * (i + 1), "hello you") for i in range(6)]))
     target = core.Target(tokenizer_dir, CONFIG, PARAMS)
     path = tmp_path / "run" / "distilled.jsonl"
     path.parent.mkdir()
@@ -167,8 +164,7 @@ def test_distilling_more_of_the_source_appends_to_the_file(tmp_path):
             held_out_permille=0, max_conversations=max_conversations, self_distill=True, distill_max_new_tokens=MAX_NEW,
             distill_batch_size=2,
         ))
-        (tmp_path / "run" / "rows.npz").unlink(missing_ok=True)
-        return core.token_rows(config, target)
+        return core.token_rows(config, target)  # rows cached under another max_conversations are rebuilt
 
     first = rows(3)
     three = path.read_text().splitlines()

@@ -9,9 +9,9 @@ turn of its batch ends.
 
 Results are appended to a jsonl file in input order; rerunning with the same inputs resumes
 after the last record written, and with more inputs (the same ones first) goes on after them, so a
-corpus grows by appending; fewer inputs use the first records. An archive (the same records, gzip-compressed, small enough to keep
-in the repository) carries the work to another machine: a run starts from its records and rewrites
-it as it goes.
+corpus grows by appending; fewer inputs use the first records. An archive (the same records,
+gzip-compressed, small enough to keep in the repository) carries the work to another machine: a
+run starts from its records and rewrites it as it goes.
 """
 
 from __future__ import annotations
