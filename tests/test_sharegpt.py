@@ -220,9 +220,11 @@ def test_config_errors_name_the_keys(values, message):
         make_config(values)
 
 
-def test_the_example_config_loads():
-    config = load_config(REPO / "configs" / "eagle3_sharegpt_smollm2.yaml")
-    assert (config.data, config.data_files, config.self_distill) == ("sharegpt", (), True)
+def test_the_sharegpt_configs_load_and_share_one_archive():
+    small, large = (load_config(REPO / "configs" / f"{name}.yaml") for name in ("eagle3_sharegpt_smollm2", "eagle3_sharegpt4k_smollm2"))
+    for config in (small, large):
+        assert (config.data, config.data_files, config.self_distill) == ("sharegpt", (), True)
+    assert small.distilled_archive == large.distilled_archive and small.max_conversations < large.max_conversations
 
 
 def test_trainer_rows_come_from_the_training_split_with_a_report(tmp_path, capsys):
