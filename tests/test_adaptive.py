@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -11,7 +12,7 @@ from engine_helpers import ADAPTIVE_COSTS, eagle3_drafter
 from specjax import tree as tree_lib
 from specjax.drafters import adaptive
 from specjax.drafters.adaptive import AdaptiveDepth
-from specjax.drafters.base import ChainDrafter, Commit, Proposal
+from specjax.drafters.base import ChainDrafter, Commit, Proposal, StepContext
 from specjax.drafters.draft_model import DraftModelDrafter
 from specjax.drafters.ngram import NgramDrafter
 from specjax.drafters.registry import MethodSpec
@@ -294,38 +295,76 @@ def test_the_engine_checks_the_first_guess_at_depth_zero_steps(drafter, low, hig
     assert low <= float(first) <= high  # no guess: the prior alone
 
 
-def test_a_postponing_head_reads_what_it_queued_as_if_it_had_read_every_step():
-    """Entries queued while no step drafts, read in one block (when drafting resumes or the queue
-    is full), leave the head's cache and output where reading them step by step does."""
+def test_a_postponing_head_reads_its_newest_queued_entries_when_drafting_resumes():
+    """Entries queued while no step drafts are read in one block when drafting resumes: as long
+    as no more than W were queued, the head's cache and output are where reading them step by
+    step leaves them; beyond W a row keeps its newest W, read at their own target positions (its
+    cache then lacks the older ones), and a depth-0 step never reads."""
     plain = eagle3_drafter(CONFIG, PARAMS, depth=3)
-    queueing = plain.postponing(6)
-    batch, width, rng = 2, 4, np.random.default_rng(0)
+    size, batch, width, rng = 6, 2, 4, np.random.default_rng(0)
+    queueing = plain.postponing(size)
     states = {d: d.init_state(batch, 64) for d in (plain, queueing)}
-    # (accepted drafts per row, committed per row, does the next step draft, entries left queued):
-    # a drafting step read at once; queued steps; a queue that fills (row 1 reaches 6) and is read
-    # although no step drafts; queued again beside a finished row; read when drafting resumes.
-    steps = [([2, 0], [3, 1], True, [0, 0]), ([1, 3], [2, 4], False, [2, 4]), ([0, 0], [1, 1], False, [3, 5]),
-             ([0, 0], [1, 1], False, [0, 0]), ([0, 0], [1, 0], False, [1, 0]), ([0, 0], [1, 0], True, [0, 0])]
-    for accepted, committed, drafts_next, left in steps:
-        accepted = jnp.asarray(accepted, jnp.int32)
-        offsets = jnp.arange(width)
+    lengths = jnp.zeros((batch,), jnp.int32)  # the target's
+    queued_since = {}  # row -> [(features, token)] committed after the last read, in order
+
+    def step(accepted, committed, drafts_next):
+        nonlocal states, lengths
+        accepted, num_committed, offsets = jnp.asarray(accepted, jnp.int32), jnp.asarray(committed, jnp.int32), jnp.arange(width)
         tokens = jnp.asarray(rng.integers(0, CONFIG.vocab_size, (batch, width)), jnp.int32)
-        num_committed = jnp.asarray(committed, jnp.int32)
+        path = jnp.minimum(offsets[None], accepted[:, None])
         commit = Commit(
-            accepted=accepted, num_committed=num_committed, path=jnp.minimum(offsets[None], accepted[:, None]),
-            next_token=tokens[:, -1], emitted=jnp.where(offsets[None] < num_committed[:, None], tokens, -1),
-            drafts_next=jnp.asarray(drafts_next),
+            accepted=accepted, num_committed=num_committed, path=path, next_token=tokens[:, -1],
+            emitted=jnp.where(offsets[None] < num_committed[:, None], tokens, -1), drafts_next=jnp.asarray(drafts_next),
         )
         features = jnp.asarray(rng.normal(size=(batch, width, plain.taps.width(CONFIG.hidden_size))), jnp.float32)
-        states = {d: d.update(d.params, s, None, None, commit, features) for d, s in states.items()}
+        path_features = np.take_along_axis(np.asarray(features), np.asarray(path)[:, :, None], 1)
+        for row in range(batch):
+            queued_since.setdefault(row, []).extend((path_features[row, i], int(tokens[row, i])) for i in range(committed[row]))
+        ctx = StepContext(pending=tokens[:, 0], lengths=lengths, history=None, active=jnp.ones((batch,), bool))
+        states = {d: d.update(d.params, s, ctx, None, commit, features) for d, s in states.items()}
+        lengths = lengths + num_committed
+
+    # (accepted drafts per row, committed per row, does the next step draft, entries left queued):
+    # a drafting step read at once; queued steps (row 1 reaches 5 of 6); read when drafting resumes.
+    for accepted, committed, drafts_next, left in [([2, 0], [3, 1], True, [0, 0]), ([1, 3], [2, 4], False, [2, 4]),
+                                                   ([0, 0], [1, 1], False, [3, 5]), ([0, 0], [1, 0], True, [0, 0])]:
+        before = states[queueing]
+        step(accepted, committed, drafts_next)
         read, queued = states[plain], states[queueing]
         np.testing.assert_array_equal(queued.backlog.count, left)
         np.testing.assert_array_equal(queued.cache.lengths + queued.backlog.count, read.cache.lengths)
-        if not any(left):  # all read: the same cache and output
-            for row, length in enumerate(np.asarray(read.cache.lengths)):
-                for name in ("k", "v"):
-                    np.testing.assert_allclose(getattr(queued.cache, name)[:, row, :, :length], getattr(read.cache, name)[:, row, :, :length], rtol=1e-5, atol=1e-5)  # [L, B, Hkv, S, D]
-            np.testing.assert_allclose(queued.hidden, read.hidden, rtol=1e-5, atol=1e-5)
+        if not drafts_next:
+            np.testing.assert_array_equal(queued.cache.lengths, before.cache.lengths)  # nothing read
+            np.testing.assert_array_equal(queued.hidden, before.hidden)
+    for row, length in enumerate(np.asarray(read.cache.lengths)):
+        for name in ("k", "v"):
+            np.testing.assert_allclose(getattr(queued.cache, name)[:, row, :, :length], getattr(read.cache, name)[:, row, :, :length], rtol=1e-5, atol=1e-5)  # [L, B, Hkv, S, D]
+    np.testing.assert_allclose(queued.hidden, read.hidden, rtol=1e-5, atol=1e-5)
+
+    # Beyond W: rows 0 / 1 queue 4 / 12 entries, then drafting resumes; each reads only its newest
+    # min(queued, W), as a head that read them alone at their positions would.
+    before, queued_since = states[queueing], {}
+    for committed in ([1, 4], [1, 4], [1, 4], [1, 0]):
+        step([0, 3], committed, False)
+    step([0, 0], [0, 0], True)
+    queued = states[queueing]
+    np.testing.assert_array_equal(queued.backlog.count, [0, 0])
+    np.testing.assert_array_equal(queued.cache.lengths, before.cache.lengths + np.array([4, size]))
+    for row, entries in queued_since.items():
+        newest = entries[-size:]
+        start = lengths[row : row + 1] - len(newest)
+        single = jax.tree.map(lambda x: x[row : row + 1] if x.ndim == 1 else x, before.cache)  # the row's cache alone
+        single = single.replace(k=before.cache.k[:, row : row + 1], v=before.cache.v[:, row : row + 1])
+        k, v, hidden = plain._read_block(
+            plain.params, single, jnp.asarray(np.stack([f for f, _ in newest]))[None], jnp.asarray([[t for _, t in newest]]),
+            jnp.asarray([len(newest)]), start,
+        )
+        at = int(before.cache.lengths[row])
+        for name, block in (("k", k), ("v", v)):
+            np.testing.assert_allclose(
+                getattr(queued.cache, name)[:, row, :, at : at + len(newest)], np.moveaxis(np.asarray(block)[:, 0], 1, 2), rtol=1e-5, atol=1e-5
+            )
+        np.testing.assert_allclose(queued.hidden[row], hidden[0], rtol=1e-5, atol=1e-5)
     assert plain.postponing(6).init_state(1, 8).backlog.tokens.shape == (1, 6) and plain.init_state(1, 8).backlog is None
 
 

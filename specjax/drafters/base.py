@@ -218,8 +218,8 @@ class Drafter(abc.ABC):
 
     def postponing(self, steps: int) -> Drafter:
         """This drafter, allowed to leave what was committed unread while no step drafts
-        (`Commit.drafts_next` False) for up to `steps` steps, and to catch up in one wider read
-        before it drafts again. Default: itself (its update has nothing worth postponing)."""
+        (`Commit.drafts_next` False), and to read only the newest `steps` of those entries, in one
+        block, before it drafts again. Default: itself (its update has nothing worth postponing)."""
         return self
 
 

@@ -138,7 +138,7 @@ class Eagle1Drafter(FeatureDrafter):
             fed_inputs = jnp.concatenate([fed_inputs] + inputs, 1)
             parent_of = np.asarray([-1 if len(p) == 1 else fed.index(p[:-1]) for p in fed], np.int32)
             mask = fed_mask(jnp.broadcast_to(parent_of, (batch, len(fed))), level)  # ancestors and self
-            positions = state.cache.lengths[:, None] + np.asarray([len(p) for p in fed], np.int32) - 1
+            positions = ctx.lengths[:, None] + np.asarray([len(p) for p in fed], np.int32) - 1
             out = self._head(params, state.cache, tokens[:, [index[p] for p in fed]], fed_inputs, positions, mask)
             outputs = out.hidden
             ranked = jax.lax.top_k(self._logits(params, outputs[:, offset:]), width)[1]  # [B, P, R]

@@ -6,9 +6,10 @@ predicts the token at t + 2; so the head holds one entry per committed target to
 verification (`update`) it reads the accepted path with the target's true features, the last
 entry reading the new pending token; `propose` only drafts, and may be skipped. Before adaptive
 steps that draft nothing (`NAME:auto` at depth 0) a postponing drafter only queues those entries,
-and reads the queue in one block before it drafts again: a depth-0 step then costs what plain
-decoding does. The two differ
-only in the head (`FeatureDrafter._head`, `_project`, `_to_target`): EAGLE-3 fuses three target
+keeping the newest W, and reads the queue in one block before it drafts again: a depth-0 step then
+costs what plain decoding does. Entries dropped from a full queue are never read: the head's cache
+then lacks those positions (its entries keep their own target positions, so attention simply does
+not see them). The two differ only in the head (`FeatureDrafter._head`, `_project`, `_to_target`): EAGLE-3 fuses three target
 layers and predicts a draft vocabulary, EAGLE-1 reads the top layer and regresses the next one.
 
 Chain (top-k 1): each draft is sampled from the head's distribution, processed like the target's
@@ -63,7 +64,7 @@ class Backlog:
 class FeatureDraftState:
     cache: kv.KVCache  # the head's 1-layer cache: one entry per committed target token read so far
     hidden: jax.Array  # [B, H] head output at the newest entry (it predicts the token after the pending one)
-    backlog: Backlog | None = None  # entries left unread while no step drafts (postponing drafters only)
+    backlog: Backlog | None = None  # the newest entries left unread while no step drafts (postponing drafters only)
 
 
 class FeatureDrafter(Drafter):
@@ -82,7 +83,7 @@ class FeatureDrafter(Drafter):
             )
         self.shape, self.taps = shape, taps
         self.depth, self.top_k, self.tree_nodes, self.chunk_size = depth, top_k, tree_nodes, chunk_size
-        self.backlog_size = 0  # W: entries `update` may leave unread (`postponing`)
+        self.backlog_size = 0  # W: the newest entries `update` keeps unread (`postponing`)
 
     @abc.abstractmethod
     def _head(self, params, cache: kv.KVCache, tokens, hidden, positions, block_mask):
@@ -162,12 +163,12 @@ class FeatureDrafter(Drafter):
         zeros = jnp.zeros(probs.shape[:-1] + (self.shape.target_vocab_size,), jnp.float32)
         return zeros.at[:, :, targets].set(probs)
 
-    def _read_block(self, params, cache: kv.KVCache, features, next_tokens, count):
-        """The head over a block of entries (target taps [B, W, F], the token after each [B, W])
-        placed after each row's cache: (k, v [1, B, W, Hkv, Dh], the output [B, H] at entry
-        count[b] - 1). Nothing is written."""
+    def _read_block(self, params, cache: kv.KVCache, features, next_tokens, count, start):
+        """The head over a block of entries (target taps [B, W, F], the token after each [B, W]) at
+        target positions start[b] + i, placed after each row's cache: (k, v [1, B, W, Hkv, Dh], the
+        output [B, H] at entry count[b] - 1). Nothing is written."""
         width = features.shape[1]
-        positions = cache.lengths[:, None] + jnp.arange(width)[None, :]
+        positions = start[:, None] + jnp.arange(width)[None, :]
         out = self._head(params, cache, next_tokens, self._project(params, features), positions, causal_mask(width))
         hidden = jnp.take_along_axis(out.hidden, jnp.maximum(count - 1, 0)[:, None, None], 1)[:, 0]
         return out.k, out.v, hidden
@@ -182,7 +183,7 @@ class FeatureDrafter(Drafter):
 
     def _read(self, params, state: FeatureDraftState, features, next_tokens, count) -> FeatureDraftState:
         """Read `count[b]` entries (target taps [B, W, F], the token after each [B, W]) into the head's cache."""
-        k, v, hidden = self._read_block(params, state.cache, features, next_tokens, count)
+        k, v, hidden = self._read_block(params, state.cache, features, next_tokens, count, state.cache.lengths)
         return self._commit_read(state, k, v, hidden, count)
 
     def prefill(self, params, state: FeatureDraftState, chunk: PrefillChunk) -> FeatureDraftState:
@@ -197,38 +198,42 @@ class FeatureDrafter(Drafter):
         next_tokens = jnp.maximum(commit.emitted, 0)  # [B, D + 1]
         if state.backlog is None:
             return self._read(params, state, path_features, next_tokens, commit.num_committed)
-        return self._queue(params, state, path_features, next_tokens, commit)
+        return self._queue(params, state, path_features, next_tokens, commit, ctx.lengths + commit.num_committed)
 
-    def _queue(self, params, state: FeatureDraftState, path_features, next_tokens, commit: Commit) -> FeatureDraftState:
-        """Queue the path's entries behind the backlog, and read the backlog when the next step
-        drafts or a row's backlog is full: in a block of the path's width when it holds no more
-        than the path (the backlog was empty), else of the whole backlog's width. The reads run
-        in a `lax.switch` and the cache is written after it (a cache carried through a
-        conditional is copied on XLA:CPU)."""
+    def _queue(self, params, state: FeatureDraftState, path_features, next_tokens, commit: Commit, committed) -> FeatureDraftState:
+        """Queue the path's entries behind the backlog, keeping a row's newest W (the oldest are
+        dropped: the head never reads them), and read the backlog when the next step drafts: in a
+        block of the path's width when it holds no more than the path, else of the whole backlog's
+        width, at the entries' own target positions (committed [B]: the target's length after this
+        step). The reads run in a `lax.switch` and the cache is written after it (a cache carried
+        through a conditional is copied on XLA:CPU)."""
         backlog, path_width = state.backlog, path_features.shape[1]
         size = backlog.tokens.shape[1]
         rows = jnp.arange(backlog.count.shape[0])[:, None]
-        slots = backlog.count[:, None] + jnp.arange(path_width)  # [B, D + 1]; past the queued ones are overwritten later
+        dropped = jnp.maximum(backlog.count + commit.num_committed - size, 0)  # [B] oldest entries out
+        kept = jnp.minimum(jnp.arange(size)[None, :] + dropped[:, None], size - 1)  # [B, W]
+        count = backlog.count - dropped
+        slots = count[:, None] + jnp.arange(path_width)  # [B, D + 1]; past the queued ones are overwritten later
         backlog = Backlog(
-            features=backlog.features.at[rows, slots].set(path_features.astype(backlog.features.dtype), mode="drop"),
-            tokens=backlog.tokens.at[rows, slots].set(next_tokens, mode="drop"),
-            count=backlog.count + commit.num_committed,
+            features=backlog.features[rows, kept].at[rows, slots].set(path_features.astype(backlog.features.dtype), mode="drop"),
+            tokens=backlog.tokens[rows, kept].at[rows, slots].set(next_tokens, mode="drop"),
+            count=count + commit.num_committed,
         )
-        read_now = commit.drafts_next | jnp.any(backlog.count >= size)  # a depth-0 step adds one entry
+        start = committed - backlog.count  # [B] target position of each row's oldest queued entry
 
         def read(width):
             def run():
                 k, v, hidden = self._read_block(
-                    params, state.cache, backlog.features[:, :width], backlog.tokens[:, :width], backlog.count
+                    params, state.cache, backlog.features[:, :width], backlog.tokens[:, :width], backlog.count, start
                 )
                 grow = lambda x: jnp.pad(x, [(0, size - width if axis == 2 else 0) for axis in range(x.ndim)])
                 return grow(k), grow(v), hidden
             return run
 
         nothing = lambda: zeros_like_result(read(size))
-        which = jnp.where(read_now, jnp.where(jnp.max(backlog.count) <= path_width, 1, 2), 0)
+        which = jnp.where(commit.drafts_next, jnp.where(jnp.max(backlog.count) <= path_width, 1, 2), 0)
         k, v, hidden = jax.lax.switch(which, [nothing, read(min(path_width, size)), read(size)])
-        count = jnp.where(read_now, backlog.count, 0)
+        count = jnp.where(commit.drafts_next, backlog.count, 0)
         state = self._commit_read(state, k, v, hidden, count)
         return state.replace(backlog=backlog.replace(count=backlog.count - count))
 
@@ -259,7 +264,7 @@ class FeatureDrafter(Drafter):
                 fed_tokens.append(drafts[-1])
                 fed_hidden.append(hidden)
                 fed = level + 1
-                positions = cache.lengths[:, None] + jnp.arange(fed)
+                positions = ctx.lengths[:, None] + jnp.arange(fed)  # fed entry i sits at the pending token's position + i
                 out = self._head(params, cache, jnp.stack(fed_tokens, 1), jnp.stack(fed_hidden, 1), positions, causal_mask(fed))
                 hidden = out.hidden[:, -1]
                 logits = self._logits(params, hidden)
@@ -324,7 +329,7 @@ class FeatureDrafter(Drafter):
             fed_depths = jnp.concatenate([fed_depths, jnp.full((batch, k), level, jnp.int32)], 1)
             # Each fed node sees the committed prefix, its fed ancestors and itself.
             mask = fed_mask(fed_parents, level)
-            positions = cache.lengths[:, None] + fed_depths - 1
+            positions = ctx.lengths[:, None] + fed_depths - 1
             out = self._head(params, cache, fed_tokens, fed_hidden, positions, mask)
             child_ids, child_scores, p = children(self._logits(params, out.hidden[:, offset:]), level)  # [B, K, K], [B, K, Vd]
             parent_scores = jnp.take_along_axis(all_scores, frontier, 1)  # [B, K]
