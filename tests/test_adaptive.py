@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -353,8 +352,8 @@ def test_a_postponing_head_reads_its_newest_queued_entries_when_drafting_resumes
     for row, entries in queued_since.items():
         newest = entries[-size:]
         start = lengths[row : row + 1] - len(newest)
-        single = jax.tree.map(lambda x: x[row : row + 1] if x.ndim == 1 else x, before.cache)  # the row's cache alone
-        single = single.replace(k=before.cache.k[:, row : row + 1], v=before.cache.v[:, row : row + 1])
+        cache = before.cache  # the row's alone: [L, 1, Hkv, S, D]
+        single = cache.replace(k=cache.k[:, row : row + 1], v=cache.v[:, row : row + 1], lengths=cache.lengths[row : row + 1])
         k, v, hidden = plain._read_block(
             plain.params, single, jnp.asarray(np.stack([f for f, _ in newest]))[None], jnp.asarray([[t for _, t in newest]]),
             jnp.asarray([len(newest)]), start,

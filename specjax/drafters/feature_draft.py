@@ -9,8 +9,9 @@ steps that draft nothing (`NAME:auto` at depth 0) a postponing drafter only queu
 keeping the newest W, and reads the queue in one block before it drafts again: a depth-0 step then
 costs what plain decoding does. Entries dropped from a full queue are never read: the head's cache
 then lacks those positions (its entries keep their own target positions, so attention simply does
-not see them). The two differ only in the head (`FeatureDrafter._head`, `_project`, `_to_target`): EAGLE-3 fuses three target
-layers and predicts a draft vocabulary, EAGLE-1 reads the top layer and regresses the next one.
+not see them). The two differ only in the head (`FeatureDrafter._head`, `_project`,
+`_to_target`): EAGLE-3 fuses three target layers and predicts a draft vocabulary, EAGLE-1 reads
+the top layer and regresses the next one.
 
 Chain (top-k 1): each draft is sampled from the head's distribution, processed like the target's
 (temperature, top-k, top-p; the argmax for greedy rows), and verified by the rejection rule.
