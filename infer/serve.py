@@ -415,9 +415,7 @@ class Scheduler:
 
     def warmup(self) -> None:
         """Compile everything a request can need: the batch's functions and the one-row admission."""
-        self.engine.warmup(self.batch)
-        if self.batch > 1:
-            self.engine.admit(self.engine.init_state(self.batch), [0], [[0, 0]], 1)
+        self.engine.warmup(self.batch, refills=True)
 
     def _seed(self, request: GenRequest) -> int:
         return request.seed if not request.groupable else int(self.rng.integers(0, 2**32 - 1))

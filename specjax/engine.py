@@ -472,9 +472,9 @@ class Engine:
         for i, prompt in enumerate(prompts):
             history[i, : len(prompt)] = prompt
         new = self._fresh_jit(*map(jnp.asarray, (history, lengths, max_new)), jnp.uint32(seed))
-        chunk, prefill_lengths = self.prefill_chunk, lengths - 1  # the last prompt token is pending
+        prefill_lengths = lengths - 1  # the last prompt token is pending
         history_dev = jnp.asarray(history)
-        for start in range(0, int(prefill_lengths.max()), chunk):
+        for start, chunk in self._prefill_windows(int(prefill_lengths.max())):
             window = np.zeros((count, chunk), np.int32)
             window[:, : min(chunk, self.max_len - start)] = history[:, start : start + chunk]
             new = self._prefill_jit(
@@ -491,6 +491,15 @@ class Engine:
         if rows == list(range(batch)):  # the whole batch: nothing of `state` is kept but its step counts
             return new.replace(step=state.step, steps_by_depth=state.steps_by_depth)
         return self._place_jit(state, new, jnp.asarray(rows, jnp.int32))
+
+    def _prefill_windows(self, length: int) -> list[tuple[int, int]]:
+        """(start, width) of the prefill chunks over `length` tokens: prefill_chunk wide, but the
+        last one only as wide as the smallest power of two (>= 16) that holds the rest, so a short
+        prompt or tail does not pay for a full chunk of padding (each width compiles once)."""
+        return [(start, self._window_width(length - start)) for start in range(0, length, self.prefill_chunk)]
+
+    def _window_width(self, remaining: int) -> int:
+        return min(self.prefill_chunk, max(16, 1 << (remaining - 1).bit_length()))
 
     def decode(
         self, state: DecodeState, sampling: sampling_lib.SamplingParams, num_steps: int, drafter_params=None, *, refills: bool = False
@@ -686,10 +695,21 @@ class Engine:
                 samples[name].append(time.perf_counter() - begin)
         return {name: float(np.median(times)) for name, times in samples.items()}
 
-    def warmup(self, batch_size: int) -> float:
-        """Compile every function for this batch size; returns the seconds it took."""
+    def warmup(self, batch_size: int, *, refills: bool = False) -> float:
+        """Compile every function for this batch size, each prefill width included; returns the
+        seconds it took. refills: also admitting one row into a running batch (continuous batching)."""
         start = time.perf_counter()
         self.generate([[0, 0]] * batch_size, max_new_tokens=2)  # two tokens: one to prefill
+        shortest = {}  # prefill width -> the fewest prefilled tokens that use it
+        for remaining in range(self.prefill_chunk, 0, -1):
+            shortest[self._window_width(remaining)] = remaining
+        for prefilled in shortest.values():
+            if prefilled + 2 + self.num_nodes > self.max_len:
+                continue  # no prompt that fits the cache prefills this width
+            prompt = [0] * (prefilled + 1)
+            self.admit(self.init_state(batch_size), range(batch_size), [prompt] * batch_size, 1)
+            if refills and batch_size > 1:
+                self.admit(self.init_state(batch_size), [0], [prompt], 1)
         return time.perf_counter() - start
 
     def outputs(self, state: DecodeState) -> list[list[int]]:

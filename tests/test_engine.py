@@ -119,23 +119,34 @@ def test_bad_inputs_are_named():
 
 
 def test_new_prompts_do_not_recompile():
+    """Warmed up for a batch size, nothing compiles again for new prompts, lengths, sampling or streaming."""
     engine = Engine(CONFIG, PARAMS, DRAFTERS["eagle3-tree"], max_len=MAX_LEN)
     jitted = (engine._fresh_jit, engine._prefill_jit, engine._place_jit, engine._decode_jit)
-    engine.generate(PROMPTS, max_new_tokens=8)
+    engine.warmup(4, refills=True)
     sizes = [f._cache_size() for f in jitted]
-    assert sizes == [1, 1, 0, 1]  # a whole batch is prefilled as it stands: nothing to copy in
-    longer = [p * 3 for p in PROMPTS]
-    engine.generate(longer, SamplingParams.make(4, temperature=0.7, top_p=0.9), max_new_tokens=20, seed=3)
-    engine.generate(longer, max_new_tokens=12, on_step=lambda rows: None, steps_per_sync=2)
+    assert sizes == [2, 8, 1, 1]  # prefill widths 16, 32, 64, 128 for a batch and for one row put into it
+    for length in (2, 17, 40, 70, 90):  # every prefill width, in full chunks and tails
+        prompts = [(p * length)[:length] for p in PROMPTS]
+        engine.generate(prompts, SamplingParams.make(4, temperature=0.7, top_p=0.9), max_new_tokens=20, seed=length)
+    engine.generate([p * 3 for p in PROMPTS], max_new_tokens=12, on_step=lambda rows: None, steps_per_sync=2)
     assert [f._cache_size() for f in jitted] == sizes
     single = engine.generate(PROMPTS[:1], max_new_tokens=8)  # a new batch size compiles once more
     assert single.tokens == engine_for(None).generate(PROMPTS[:1], max_new_tokens=8).tokens
-    assert [f._cache_size() for f in jitted] == [2, 2, 0, 2]
-    # One prompt into a running batch of four is prefilled as a batch of one (compiled above)
-    # and copied into its slot: one more compilation, the copy, for any slot and any prompt.
+    assert [f._cache_size() for f in jitted] == [2, 8, 1, 2]  # its decode loop
+    # One prompt into a running batch of four, any slot, any length: compiled by the warmup.
     state = engine.admit(engine.init_state(4), [1], PROMPTS[:1], 8)
-    state = engine.admit(state, [3], [PROMPTS[2] * 2], 8)
-    assert [f._cache_size() for f in jitted] == [2, 2, 1, 2]
+    state = engine.admit(state, [3], [PROMPTS[2] * 5], 8)
+    assert [f._cache_size() for f in jitted] == [2, 8, 1, 2]
+
+
+def test_prefill_windows_end_in_the_narrowest_width_that_holds_the_rest():
+    engine = engine_for(None)
+    assert engine._prefill_windows(9) == [(0, 16)]
+    assert engine._prefill_windows(300) == [(0, 128), (128, 128), (256, 64)]
+    # Chunked into 16s or into one 128 and a tail, a prompt prefills to the same cache.
+    narrow = Engine(CONFIG, PARAMS, DRAFTERS["eagle3-chain"], max_len=MAX_LEN, prefill_chunk=16)
+    prompts = [(p * 20)[:length] for p, length in zip(PROMPTS, (19, 33, 45, 60))]
+    assert narrow.generate(prompts, max_new_tokens=24).tokens == engine_for("eagle3-chain").generate(prompts, max_new_tokens=24).tokens
 
 
 @pytest.mark.parametrize("method", ["eagle3-tree", "draft-random"])  # a head's state, a draft model's cache

@@ -429,4 +429,4 @@ def test_smollm2_with_the_shipped_draft_equals_generate():
         with concurrent.futures.ThreadPoolExecutor(3) as pool:
             answers = [r.choices[0].message.content for r in pool.map(ask, questions)]
         assert answers == expected
-        assert compile_counts(engine) == [2, 2, 1, 1] and app.state.metrics.tau > 1.0
+        assert compile_counts(engine) == [2, 8, 1, 1] and app.state.metrics.tau > 1.0  # 4 prefill widths, 2 batch sizes
