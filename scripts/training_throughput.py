@@ -75,12 +75,16 @@ def measure_distill(args, config, params, tokenizer):
         return run
 
     variants = {"chunked": run_chunked, "continuous": continuous("continuous", engine)}
+    speculative = []
     for method in filter(None, args.methods.split(";")):
         drafter = MethodSpec.parse(method).build(BuildContext(config, params, None, np.float32))
         name = f"continuous, {method}"
-        variants[name] = continuous(name, Engine(config, params, drafter, max_len=max_len, attention_chunk=64, eos_ids=eos))
+        speculative.append(Engine(config, params, drafter, max_len=max_len, attention_chunk=64, eos_ids=eos))
+        variants[name] = continuous(name, speculative[-1])
     for run in variants.values():
         run(conversations[:2])  # compile
+    for current in [engine, *speculative]:  # this revision's engines
+        current.warmup(args.batch_size, refills=True)  # every prefill width, for a batch and for one row
     times = interleaved(variants, args.repeats)
     print(f"{len(conversations)} ShareGPT conversations (max 4 turns), batch {args.batch_size}, "
           f"max_new_tokens {args.max_new_tokens}, SmolLM2 float32, greedy")
