@@ -11,6 +11,8 @@ engine: the baseline's `regenerate_chunk` (every turn of a batch waits for its l
 With --baseline-engine the chunked baseline also runs on the baseline revision's own engine (its whole
 `specjax` package, imported as `specjax_<rev>`), so the ratio is everything since then. --methods adds
 continuous batching on a speculative engine per method (`distill_method`; greedy, so the same text).
+--without-reuse adds continuous batching whose rows never keep a turn's cached context (the control for
+`Engine.admit(reuse_prefix=True)`); --continuous-baseline REV continuous batching on REV's engine.
 ttt: one EAGLE-3 TTT step (loss, gradient, AdamW) on packed ShareGPT rows with the target's real
 features and logits: each baseline revision's `train/ttt.py` on its own `specjax` (the draft model
 too), against the current code in f32 and bf16; ratios are to the first revision.
@@ -50,6 +52,22 @@ def interleaved(variants: dict, repeats: int) -> dict:
     return times
 
 
+class _PrefillingWhole(Engine):
+    """An engine whose rows never keep a cached prefix (`Engine.admit(reuse_prefix=...)`)."""
+
+    reuses_prefixes = False
+
+
+def _without_reuse(engine_class):
+    """An earlier revision's Engine as `distill.regenerate` calls it, its rows never keeping a prefix."""
+    class Before(engine_class):
+        reuses_prefixes = False
+
+        def admit(self, *args, reuse_prefix=False, **kwargs):
+            return super().admit(*args, **kwargs)
+    return Before
+
+
 def measure_distill(args, config, params, tokenizer):
     chunked = baseline_module(args.baseline, "train/distill.py")
     conversations = sharegpt.load(sharegpt.source_path("sharegpt"), max_turns=4, max_records=400).train[: args.conversations]
@@ -75,15 +93,23 @@ def measure_distill(args, config, params, tokenizer):
         return run
 
     variants = {"chunked": run_chunked, "continuous": continuous("continuous", engine)}
-    speculative = []
+    warmed = []  # engines of this revision (and --continuous-baseline's), warmed before timing
+    if args.without_reuse:  # the control: every turn's prompt prefilled whole
+        warmed.append(_PrefillingWhole(config, params, max_len=max_len, attention_chunk=64, eos_ids=eos))
+        variants["continuous, no reuse"] = continuous("continuous, no reuse", warmed[-1])
+    if args.continuous_baseline:  # today's scheduling on that revision's engine
+        before = _without_reuse(baseline_engine_class(args.continuous_baseline))
+        name = f"continuous, {args.continuous_baseline} engine"
+        warmed.append(before(config, params, max_len=max_len, attention_chunk=64, eos_ids=eos))
+        variants[name] = continuous(name, warmed[-1])
     for method in filter(None, args.methods.split(";")):
         drafter = MethodSpec.parse(method).build(BuildContext(config, params, None, np.float32))
         name = f"continuous, {method}"
-        speculative.append(Engine(config, params, drafter, max_len=max_len, attention_chunk=64, eos_ids=eos))
-        variants[name] = continuous(name, speculative[-1])
+        warmed.append(Engine(config, params, drafter, max_len=max_len, attention_chunk=64, eos_ids=eos))
+        variants[name] = continuous(name, warmed[-1])
     for run in variants.values():
         run(conversations[:2])  # compile
-    for current in [engine, *speculative]:  # this revision's engines
+    for current in [engine, *warmed]:
         current.warmup(args.batch_size, refills=True)  # every prefill width, for a batch and for one row
     times = interleaved(variants, args.repeats)
     print(f"{len(conversations)} ShareGPT conversations (max 4 turns), batch {args.batch_size}, "
@@ -147,6 +173,8 @@ def main():
     parser.add_argument("--baseline", default="ffdb866", help="git revision whose code is the baseline (ttt: several, comma-separated)")
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--baseline-engine", action="store_true", help="distill: the baseline runs on its own revision's engine")
+    parser.add_argument("--continuous-baseline", default="", help="distill: also continuous batching on this revision's engine")
+    parser.add_argument("--without-reuse", action="store_true", help="distill: also continuous batching without prefix reuse")
     parser.add_argument("--methods", default="", help="distill: speculative methods to regenerate with too, separated by ';'")
     parser.add_argument("--conversations", type=int, default=32)
     parser.add_argument("--batch-size", type=int, default=16)

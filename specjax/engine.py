@@ -173,6 +173,7 @@ class Engine:
         self._fresh_jit = jax.jit(self._fresh)
         self._prefill_jit = jax.jit(self._prefill_chunk, donate_argnums=2)
         self._place_jit = jax.jit(self._place, donate_argnums=0)
+        self._keep_prefix_jit = jax.jit(self._keep_prefix, donate_argnums=0)
         self._decode_jit = jax.jit(self._decode, donate_argnums=2)
 
     # ----------------------------------------------------------------- traced pieces
@@ -233,6 +234,11 @@ class Engine:
             for old, row, axis in zip(leaves, jax.tree.leaves(new), self._row_axes)
         ]
         return jax.tree.unflatten(treedef, placed)
+
+    def _keep_prefix(self, new: DecodeState, state: DecodeState, rows, kept) -> DecodeState:
+        """`new` (R rows) with the caches of `state`'s rows [R], cut back to their first kept [R] slots."""
+        cache = new.cache.replace(k=state.cache.k[:, rows], v=state.cache.v[:, rows], lengths=kept)
+        return new.replace(cache=cache)
 
     def _prefill_chunk(self, params, drafter_params, state: DecodeState, chunk: PrefillChunk) -> DecodeState:
         out = self._target(params, chunk.tokens, chunk.positions, state.cache, tree_lib.causal_mask(chunk.tokens.shape[1]))
@@ -448,6 +454,8 @@ class Engine:
         max_new_tokens,
         seed: int = 0,
         drafter_params=None,
+        *,
+        reuse_prefix: bool = False,
     ) -> DecodeState:
         """Put `prompts` into the slots `rows` of a (possibly running) batch and prefill them.
 
@@ -456,6 +464,11 @@ class Engine:
         from the random stream (seed, i), wherever it sits: admitted alone with seed s, a prompt
         samples what `generate([prompt], seed=s)` samples. Prompts and limits are checked first
         (ValueError naming the problem). Each number of rows admitted at once compiles once.
+
+        reuse_prefix: a row keeps the longest prefix of its new prompt that its cache already
+        holds (a finished turn's context when the prompt is the conversation's next turn) and only
+        the rest is prefilled; the cache is cut back to it by its logical length. Needs a drafter
+        without state of the prompt (`reuses_prefixes`).
         """
         batch = state.pending.shape[0]
         if not 0 <= seed < 2**32:
@@ -466,6 +479,11 @@ class Engine:
         if len(rows) != len(prompts) or len(set(rows)) != len(rows) or not all(0 <= r < batch for r in rows):
             raise ValueError(f"rows {rows} must be {len(prompts)} distinct slots in [0, {batch})")
         drafter_params = self._check_drafter_params(drafter_params)
+        if reuse_prefix and not self.reuses_prefixes:
+            raise ValueError(
+                f"reuse_prefix: the {type(self.drafter).__name__} drafter keeps state of the prompt, which a kept "
+                "cache prefix would not match; admit without reuse_prefix"
+            )
         count = len(prompts)
         history = np.zeros((count, self.max_len), np.int32)  # [R, S] the new prompts, zero-padded
         lengths = np.array([len(p) for p in prompts], np.int32)  # [R]
@@ -473,24 +491,45 @@ class Engine:
             history[i, : len(prompt)] = prompt
         new = self._fresh_jit(*map(jnp.asarray, (history, lengths, max_new)), jnp.uint32(seed))
         prefill_lengths = lengths - 1  # the last prompt token is pending
+        kept = self._cached_prefix(state, rows, history, prefill_lengths) if reuse_prefix else np.zeros(count, np.int32)
+        if kept.any():
+            new = self._keep_prefix_jit(new, state, jnp.asarray(rows, jnp.int32), jnp.asarray(kept))
         history_dev = jnp.asarray(history)
-        for start, chunk in self._prefill_windows(int(prefill_lengths.max())):
+        for start, chunk in self._prefill_windows(int((prefill_lengths - kept).max())):
             window = np.zeros((count, chunk), np.int32)
-            window[:, : min(chunk, self.max_len - start)] = history[:, start : start + chunk]
+            for i, first in enumerate(kept + start):  # row i's window starts past its kept prefix
+                tokens = history[i, first : first + chunk]
+                window[i, : len(tokens)] = tokens
             new = self._prefill_jit(
                 self.params,
                 drafter_params,
                 new,
                 PrefillChunk(
                     tokens=jnp.asarray(window),
-                    positions=jnp.asarray(start + np.arange(chunk)[None, :].repeat(count, 0)),
-                    num_valid=jnp.asarray(np.clip(prefill_lengths - start, 0, chunk).astype(np.int32)),
+                    positions=jnp.asarray(kept[:, None] + start + np.arange(chunk)[None, :]),
+                    num_valid=jnp.asarray(np.clip(prefill_lengths - kept - start, 0, chunk).astype(np.int32)),
                     history=history_dev,
                 ),
             )
         if rows == list(range(batch)):  # the whole batch: nothing of `state` is kept but its step counts
             return new.replace(step=state.step, steps_by_depth=state.steps_by_depth)
         return self._place_jit(state, new, jnp.asarray(rows, jnp.int32))
+
+    @property
+    def reuses_prefixes(self) -> bool:
+        """Whether `admit` may keep a cached prefix (`reuse_prefix`): the drafter holds no state
+        of the prompt (n-gram lookup and plain decoding read the history alone)."""
+        return not jax.tree.leaves(jax.eval_shape(lambda: self.drafter.init_state(1, self.max_len)))
+
+    def _cached_prefix(self, state: DecodeState, rows, history: np.ndarray, prefill_lengths: np.ndarray) -> np.ndarray:
+        """[R] how many of each new prompt's first tokens (up to those it prefills) row rows[i] holds
+        in its cache already: the common prefix with the row's committed tokens."""
+        rows = np.asarray(rows)
+        committed = np.asarray(state.cache.lengths)[rows]  # [R]
+        held = np.asarray(state.history)[rows]  # [R, S]
+        limit = np.minimum(committed, prefill_lengths)  # [R]
+        differs = (held != history) | (np.arange(self.max_len)[None, :] >= limit[:, None])  # [R, S]
+        return np.argmax(np.pad(differs, ((0, 0), (0, 1)), constant_values=True), axis=1).astype(np.int32)
 
     def _prefill_windows(self, length: int) -> list[tuple[int, int]]:
         """(start, width) of the prefill chunks over `length` tokens: prefill_chunk wide, but the
@@ -707,9 +746,11 @@ class Engine:
             if prefilled + 2 + self.num_nodes > self.max_len:
                 continue  # no prompt that fits the cache prefills this width
             prompt = [0] * (prefilled + 1)
-            self.admit(self.init_state(batch_size), range(batch_size), [prompt] * batch_size, 1)
+            state = self.admit(self.init_state(batch_size), range(batch_size), [prompt] * batch_size, 1)
             if refills and batch_size > 1:
                 self.admit(self.init_state(batch_size), [0], [prompt], 1)
+                if self.reuses_prefixes:  # a row keeping its cached prompt
+                    self.admit(state, [0], [prompt], 1, reuse_prefix=True)
         return time.perf_counter() - start
 
     def outputs(self, state: DecodeState) -> list[list[int]]:

@@ -76,6 +76,28 @@ def test_a_context_that_outgrows_the_prompt_limit_ends_the_conversation():
     assert index == 0 and [m["role"] for m in conversation] == ["user", "assistant"]  # the second turn no longer fits
 
 
+def test_a_next_turn_goes_to_the_row_that_holds_its_context(monkeypatch):
+    """Two conversations finish their first turns together; each second turn returns to its own
+    row and prefills only what follows the context that row's cache holds."""
+    tokenizer = word_tokenizer()
+    other = [dict(m, content="you there") if m["content"] == "hello" else m for m in RECORDS[1]["conversations"]]
+    conversations = [RECORDS[1]["conversations"], other]
+    kept = []  # per admission, the prefix its row kept
+    cached_prefix = Engine._cached_prefix
+    def spy(self, *args):
+        kept.append(int(cached_prefix(self, *args)[0]))  # one row per admission
+        return np.asarray(kept[-1:], np.int32)
+    monkeypatch.setattr(Engine, "_cached_prefix", spy)
+    results = distill.regenerate(
+        Engine(CONFIG, PARAMS, max_len=64), tokenizer, conversations, batch_size=2, max_prompt_tokens=32,
+        max_new_tokens=MAX_NEW, temperature=0.0, seed=0,
+    )
+    written = dict((index, messages) for index, messages, _ in results)
+    assert [written[0], written[1]] == [reference(tokenizer, c) for c in conversations]
+    first_prompts = [len(distill.prompt_ids(tokenizer, c[:1])) for c in conversations]
+    assert kept[:2] == [0, 0] and kept[2] >= first_prompts[0] and kept[3] >= first_prompts[1]
+
+
 def test_a_sampled_turn_draws_from_its_own_seed_whatever_row_or_company_it_gets():
     tokenizer = word_tokenizer()
     conversations = [r["conversations"] for r in RECORDS] * 2

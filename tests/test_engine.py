@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import warnings
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -162,6 +163,38 @@ def test_a_finished_slot_takes_a_new_prompt(method, autoregressive):
     assert engine.outputs(state) == [autoregressive[2], autoregressive[1]]
     with pytest.raises(ValueError, match="distinct slots"):
         engine.admit(state, [2], [PROMPTS[0]], 4)
+
+
+@pytest.mark.parametrize("method", [None, "ngram"])
+def test_a_row_keeps_the_cached_prefix_of_its_next_prompt(method):
+    """A conversation's next turn in the row that held the last: only the tokens past what the
+    row's cache holds are prefilled, and the row generates what the prompt does afresh."""
+    engine, greedy = engine_for(method), SamplingParams.make(2)
+    finished = engine.decode(engine.admit(engine.init_state(2), [0, 1], PROMPTS[:2], 12), greedy, 100)
+    next_turn = PROMPTS[0] + engine.outputs(finished)[0] + [30, 31, 32, 33]  # the context, the reply, a new message
+    diverging = PROMPTS[1][:2] + [50, 51, 52, 53, 54]  # shares two tokens with row 1's prompt
+    prompts, max_new = [next_turn, diverging], NEW_TOKENS - 12
+
+    marked = jax.tree.map(jnp.copy, finished)
+    marked = marked.replace(cache=marked.cache.replace(k=marked.cache.k.at[:, :, :, :3].set(1e4)))  # kept slots keep it
+    k = np.asarray(engine.admit(marked, [0, 1], prompts, max_new, reuse_prefix=True).cache.k)  # [L, B, Hkv, S, D]
+    assert np.all(k[:, 0, :, :3] == 1e4)  # row 0 kept its whole context
+    assert np.all(k[:, 1, :, :2] == 1e4) and not np.any(k[:, 1, :, 2] == 1e4)  # row 1 kept two slots
+
+    state = engine.admit(finished, [0, 1], prompts, max_new, reuse_prefix=True)
+    fresh = engine.admit(engine.init_state(2), [0, 1], prompts, max_new)
+    assert list(np.asarray(state.cache.lengths)) == [len(next_turn) - 1, len(diverging) - 1]
+    for row, prompt in enumerate(prompts):  # kept or prefilled, every slot holds the prompt's keys and values
+        for kept, prefilled in ((state.cache.k, fresh.cache.k), (state.cache.v, fresh.cache.v)):
+            np.testing.assert_allclose(kept[:, row, :, : len(prompt) - 1], prefilled[:, row, :, : len(prompt) - 1], atol=1e-5)
+    assert engine.outputs(engine.decode(state, greedy, 100)) == engine_for(None).generate(prompts, max_new_tokens=max_new).tokens
+
+
+def test_a_drafter_with_state_of_the_prompt_cannot_keep_a_prefix():
+    engine = engine_for("eagle3-chain")
+    assert not engine.reuses_prefixes and engine_for("ngram").reuses_prefixes
+    with pytest.raises(ValueError, match="keeps state of the prompt"):
+        engine.admit(engine.init_state(1), [0], PROMPTS[:1], 4, reuse_prefix=True)
 
 
 @pytest.mark.parametrize("method", ["draft-random", "eagle3-tree"])

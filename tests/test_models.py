@@ -13,6 +13,7 @@ from specjax import kv_cache, tree
 from specjax.checkpoints import hf
 from specjax.kv_cache import KVCache
 from specjax.models import eagle3, llama
+from specjax.models.attention import attention, row_counts
 from specjax.models.config import ModelConfig
 from specjax.models.dense import dense
 
@@ -222,6 +223,28 @@ def test_chunked_prefix_equals_whole_buffer_attention(llama_family):
     positions = np.asarray(cache.lengths)[:, None]
     with pytest.raises(ValueError, match="multiple of chunk_size"):
         llama.forward(params, config, block[:, None], positions, cache, causal(1), chunk_size=24)
+
+
+@pytest.mark.parametrize("lengths", [[3, 40, 0, 17, 64, 9, 33], [64] * 7, [0, 0, 5, 0, 0, 0, 0]])
+def test_rows_of_different_lengths_attend_like_dense_softmax(lengths):
+    """Rows of a batch read only the prefix chunks they reach (quarters of the batch at a time):
+    each row equals a dense softmax over its own committed slots and block."""
+    batch, num_queries, heads, groups, dim, slots, layer = len(lengths), 3, 2, 2, 4, 64, 1
+    rng = np.random.default_rng(sum(lengths))
+    normal = lambda *shape: rng.standard_normal(shape).astype(np.float32)
+    q, k_new, v_new = normal(batch, num_queries, heads, groups, dim), normal(batch, num_queries, heads, dim), normal(batch, num_queries, heads, dim)
+    k_cache, v_cache = normal(2, batch, heads, slots, dim), normal(2, batch, heads, slots, dim)
+    block_mask = np.tril(np.ones((num_queries, num_queries), bool))
+    out = np.asarray(jax.jit(attention, static_argnums=(5, 8))(q, k_new, v_new, k_cache, v_cache, layer, jnp.asarray(lengths), block_mask, 8))
+    for b, length in enumerate(lengths):
+        keys = np.concatenate([k_cache[layer, b, :, :length], k_new[b].transpose(1, 0, 2)], 1)  # [Hkv, S + T, D]
+        values = np.concatenate([v_cache[layer, b, :, :length], v_new[b].transpose(1, 0, 2)], 1)
+        scores = np.einsum("thgd,hsd->thgs", q[b], keys) / np.sqrt(dim)  # [T, Hkv, G, S + T]
+        visible = np.concatenate([np.ones((num_queries, length), bool), block_mask], 1)[:, None, None, :]
+        weights = np.where(visible, np.exp(scores - scores.max(-1, keepdims=True)), 0.0)
+        expected = np.einsum("thgs,hsd->thgd", weights / weights.sum(-1, keepdims=True), values)
+        np.testing.assert_allclose(out[b], expected, atol=1e-5, rtol=0)
+    assert row_counts(batch) == (2, 4, 6, 7)
 
 
 def test_prefix_loop_runs_only_over_live_chunks():

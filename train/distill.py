@@ -51,7 +51,9 @@ def regenerate(
     Yields (index, messages, tokens generated) as each conversation completes, in any order.
     `batch_size` engine rows stay busy: when a row's turn ends (EOS or max_new_tokens), that
     conversation's next assistant turn, else the next conversation, is prefilled into the row,
-    so no row idles while the longest turn of a batch finishes. Turn `t` of conversation
+    so no row idles while the longest turn of a batch finishes. A next turn goes to the row its
+    conversation just left, which keeps the context in its cache and prefills only the new
+    messages (`Engine.admit(reuse_prefix=True)`, where the engine's drafter allows it). Turn `t` of conversation
     `first_index + i` samples from its own seed, whatever row or company it gets. A conversation
     whose context outgrows max_prompt_tokens ends before that turn (it may be left with no
     assistant turn and then keeps its user turns). New conversations start only while
@@ -63,6 +65,7 @@ def regenerate(
     fresh = collections.deque(range(len(pending)))  # conversations not started
     ready: collections.deque[int] = collections.deque()  # started, between turns
     rows: list[int | None] = [None] * batch_size  # the conversation each engine row is generating for
+    left: list[int | None] = [None] * batch_size  # the conversation that last left each row
     state = engine.init_state(batch_size)
     sampling = SamplingParams.make(batch_size, temperature=temperature)
 
@@ -82,13 +85,17 @@ def regenerate(
     while True:
         for row in [r for r, i in enumerate(rows) if i is None]:
             while ready or (fresh and admit_more()):
-                i = ready.popleft() if ready else fresh.popleft()
+                if left[row] in ready:  # its context is still in this row's cache
+                    ready.remove(left[row])
+                    i = left[row]
+                else:
+                    i = ready.popleft() if ready else fresh.popleft()
                 ids = next_prompt(i)
                 if ids is None:
                     yield first_index + i, _trimmed(pending[i]), generated[i]
                     continue
                 turn_seed = int(np.random.SeedSequence([seed, first_index + i, next_turn[i]]).generate_state(1)[0])
-                state = engine.admit(state, [row], [ids], max_new_tokens, seed=turn_seed)
+                state = engine.admit(state, [row], [ids], max_new_tokens, seed=turn_seed, reuse_prefix=engine.reuses_prefixes)
                 rows[row] = i
                 break
         if all(i is None for i in rows):
@@ -105,7 +112,7 @@ def regenerate(
                 pending[i][next_turn[i]] = {"role": "assistant", "content": tokenizer.decode(response)}
                 next_turn[i] += 1
                 ready.appendleft(i)  # its next turn first: conversations finish, and are written, early
-                rows[row] = None
+                rows[row], left[row] = None, i
 
 
 def _trimmed(messages: Messages) -> Messages:

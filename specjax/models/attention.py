@@ -1,8 +1,11 @@
 """Grouped-query attention of a new block over a committed KV prefix plus the block itself.
 
-Cost scales with the longest live row, not with the cache buffer: the committed prefix is read
-in fixed-size chunks by a `fori_loop` whose trip count comes from the traced lengths (it lowers
-to a while loop), merged with an online softmax. The new block's own keys never touch the cache,
+Cost scales with the live rows, not with the cache buffer: the committed prefix is read in
+fixed-size chunks by `fori_loop`s whose trip counts come from the traced lengths (they lower to
+while loops), merged with an online softmax. In a batch of rows of different lengths (continuous
+batching) a chunk is read only for the longest rows that reach it, rounded up to a quarter of the
+batch: one loop per quarter, over the range of chunks that many rows reach, so a short row does
+not pay for the longest one's prefix. The new block's own keys never touch the cache,
 so the cache is read-only here and prefill is simply `lengths = 0` with a causal block mask.
 Inside, everything runs head-major ([B, Hkv, T, G, ...]), the layout of the cache's chunks, so that
 no chunk is transposed before its matmuls.
@@ -66,16 +69,6 @@ def attention(
     scale = head_dim**-0.5
     q = jnp.transpose(q, (0, 2, 1, 3, 4))  # [B, Hkv, T, G, D]
 
-    def chunk_step(chunk, carry):
-        start = chunk * chunk_size
-        slice_at = (layer, 0, 0, start, 0)
-        size = (1, batch, num_kv_heads, chunk_size, head_dim)
-        k_chunk = lax.dynamic_slice(k_cache, slice_at, size)[0]  # [B, Hkv, C, D]
-        v_chunk = lax.dynamic_slice(v_cache, slice_at, size)[0]  # [B, Hkv, C, D]
-        scores = jnp.einsum("bktgd,bksd->bktgs", q, k_chunk, preferred_element_type=jnp.float32) * scale
-        live = start + jnp.arange(chunk_size) < lengths[:, None]  # [B, C]
-        return _online_update(carry, scores, live[:, None, None, None, :], v_chunk)
-
     stats_shape = (batch, num_kv_heads, num_queries, num_groups)
     carry = (
         jnp.full(stats_shape, _MASKED, jnp.float32),
@@ -83,8 +76,7 @@ def attention(
         jnp.zeros(stats_shape + (head_dim,), jnp.float32),
     )
     if k_cache is not None:
-        num_chunks = (jnp.max(lengths) + chunk_size - 1) // chunk_size
-        carry = lax.fori_loop(0, num_chunks, chunk_step, carry)
+        carry = _attend_prefix(q, k_cache, v_cache, layer, lengths, chunk_size, scale, carry)
 
     k_new, v_new = (jnp.transpose(x, (0, 2, 1, 3)) for x in (k_new, v_new))  # [B, Hkv, T, D]
     block_scores = jnp.einsum("bktgd,bkud->bktgu", q, k_new, preferred_element_type=jnp.float32) * scale
@@ -92,3 +84,50 @@ def attention(
     _, running_sum, acc = _online_update(carry, block_scores, block_mask[:, None, :, None, :], v_new)
     out = acc / jnp.where(running_sum > 0, running_sum, 1.0)[..., None]  # [B, Hkv, T, G, D]
     return jnp.transpose(out, (0, 2, 1, 3, 4)).astype(q.dtype)
+
+
+def row_counts(batch: int) -> tuple[int, ...]:
+    """The static numbers of rows a chunk of the prefix is read for: quarters of the batch."""
+    return tuple(sorted({-(-batch * quarter // 4) for quarter in (1, 2, 3, 4)}))
+
+
+def _attend_prefix(q, k_cache, v_cache, layer, lengths, chunk_size, scale, carry):
+    """Fold the committed prefix, chunk by chunk, into the online-softmax carry.
+
+    q: [B, Hkv, T, G, D] queries; carry: per row (max, sum, accumulator). With the rows taken
+    longest first, the chunks only the n longest reach (n one of `row_counts(B)`) are a range:
+    one loop per n reads its range for those rows (gathered, then scattered back), the whole
+    batch's as one slice. Every row still folds its chunks in order.
+    """
+    batch, num_kv_heads, _, _, head_dim = q.shape
+
+    def fold(rows, row_q, row_lengths):
+        """One chunk for rows [R] (None: the whole batch), their queries and lengths."""
+        size = (1, batch if rows is None else 1, num_kv_heads, chunk_size, head_dim)
+        if rows is None:  # [B, Hkv, C, D], one slice
+            read = lambda cache, start: lax.dynamic_slice(cache, (layer, 0, 0, start, 0), size)[0]
+        else:  # [R, Hkv, C, D], a slice per row
+            read = lambda cache, start: jax.vmap(lambda r: lax.dynamic_slice(cache, (layer, r, 0, start, 0), size)[0, 0])(rows)
+
+        def step(chunk, carry):
+            start = chunk * chunk_size
+            scores = jnp.einsum("bktgd,bksd->bktgs", row_q, read(k_cache, start), preferred_element_type=jnp.float32) * scale
+            live = start + jnp.arange(chunk_size) < row_lengths[:, None]  # [R, C]
+            return _online_update(carry, scores, live[:, None, None, None, :], read(v_cache, start))
+        return step
+
+    chunks = lambda length: (length + chunk_size - 1) // chunk_size
+    counts = row_counts(batch)
+    if len(counts) == 1:
+        return lax.fori_loop(0, chunks(jnp.max(lengths)), fold(None, q, lengths), carry)
+    longest_first = jnp.argsort(-lengths)  # [B]
+    reached_beyond = lambda count: chunks(lengths[longest_first[count]]) if count < batch else 0  # chunks a row past the first `count` reaches
+    for count, fewer in zip(counts[::-1], (*counts[-2::-1], 0)):  # the whole batch first: chunks in order
+        first, end = reached_beyond(count), reached_beyond(fewer) if fewer else chunks(jnp.max(lengths))
+        if count == batch:
+            carry = lax.fori_loop(first, end, fold(None, q, lengths), carry)
+            continue
+        rows = longest_first[:count]
+        folded = lax.fori_loop(first, end, fold(rows, q[rows], lengths[rows]), tuple(c[rows] for c in carry))
+        carry = tuple(c.at[rows].set(f) for c, f in zip(carry, folded))
+    return carry
