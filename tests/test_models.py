@@ -225,7 +225,7 @@ def test_chunked_prefix_equals_whole_buffer_attention(llama_family):
         llama.forward(params, config, block[:, None], positions, cache, causal(1), chunk_size=24)
 
 
-@pytest.mark.parametrize("lengths", [[3, 40, 0, 17, 64, 9, 33], [64] * 7, [0, 0, 5, 0, 0, 0, 0]])
+@pytest.mark.parametrize("lengths", [[3, 40, 0, 17, 64, 9, 33, 51, 26], [64] * 9, [0, 0, 5, 0, 0, 0, 0, 0, 0]])
 def test_rows_of_different_lengths_attend_like_dense_softmax(lengths):
     """Rows of a batch read only the prefix chunks they reach (quarters of the batch at a time):
     each row equals a dense softmax over its own committed slots and block."""
@@ -244,7 +244,7 @@ def test_rows_of_different_lengths_attend_like_dense_softmax(lengths):
         weights = np.where(visible, np.exp(scores - scores.max(-1, keepdims=True)), 0.0)
         expected = np.einsum("thgs,hsd->thgd", weights / weights.sum(-1, keepdims=True), values)
         np.testing.assert_allclose(out[b], expected, atol=1e-5, rtol=0)
-    assert row_counts(batch) == (2, 4, 6, 7)
+    assert row_counts(batch) == (3, 5, 7, 9) and row_counts(7) == (7,)
 
 
 def test_prefix_loop_runs_only_over_live_chunks():

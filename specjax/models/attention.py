@@ -4,7 +4,7 @@ Cost scales with the live rows, not with the cache buffer: the committed prefix 
 fixed-size chunks by `fori_loop`s whose trip counts come from the traced lengths (they lower to
 while loops), merged with an online softmax. In a batch of rows of different lengths (continuous
 batching) a chunk is read only for the longest rows that reach it, rounded up to a quarter of the
-batch: one loop per quarter, over the range of chunks that many rows reach, so a short row does
+batch (of 8 rows or more): one loop per quarter, over the range of chunks that many rows reach, so a short row does
 not pay for the longest one's prefix. The new block's own keys never touch the cache,
 so the cache is read-only here and prefill is simply `lengths = 0` with a causal block mask.
 Inside, everything runs head-major ([B, Hkv, T, G, ...]), the layout of the cache's chunks, so that
@@ -87,7 +87,11 @@ def attention(
 
 
 def row_counts(batch: int) -> tuple[int, ...]:
-    """The static numbers of rows a chunk of the prefix is read for: quarters of the batch."""
+    """The static numbers of rows a chunk of the prefix is read for: quarters of a batch of 8 or
+    more, the whole of a smaller one (where the prefix weighs little beside the weights and
+    reading rows one by one cost more than it saved)."""
+    if batch < 8:
+        return (batch,)
     return tuple(sorted({-(-batch * quarter // 4) for quarter in (1, 2, 3, 4)}))
 
 
@@ -127,7 +131,9 @@ def _attend_prefix(q, k_cache, v_cache, layer, lengths, chunk_size, scale, carry
         if count == batch:
             carry = lax.fori_loop(first, end, fold(None, q, lengths), carry)
             continue
-        rows = longest_first[:count]
-        folded = lax.fori_loop(first, end, fold(rows, q[rows], lengths[rows]), tuple(c[rows] for c in carry))
-        carry = tuple(c.at[rows].set(f) for c, f in zip(carry, folded))
+        def fold_rows(carry, rows=longest_first[:count], first=first, end=end):
+            folded = lax.fori_loop(first, end, fold(rows, q[rows], lengths[rows]), tuple(c[rows] for c in carry))
+            return tuple(c.at[rows].set(f) for c, f in zip(carry, folded))
+
+        carry = lax.cond(first < end, fold_rows, lambda carry: carry, carry)
     return carry
