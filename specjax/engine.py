@@ -17,6 +17,7 @@ limit is a traced value, so new prompts, lengths, slots or streaming never recom
 from __future__ import annotations
 
 import dataclasses
+import functools
 import time
 import warnings
 from pathlib import Path
@@ -515,7 +516,7 @@ class Engine:
             return new.replace(step=state.step, steps_by_depth=state.steps_by_depth)
         return self._place_jit(state, new, jnp.asarray(rows, jnp.int32))
 
-    @property
+    @functools.cached_property
     def reuses_prefixes(self) -> bool:
         """Whether `admit` may keep a cached prefix (`reuse_prefix`): the drafter holds no state
         of the prompt (n-gram lookup and plain decoding read the history alone)."""

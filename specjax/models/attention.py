@@ -4,9 +4,9 @@ Cost scales with the live rows, not with the cache buffer: the committed prefix 
 fixed-size chunks by `fori_loop`s whose trip counts come from the traced lengths (they lower to
 while loops), merged with an online softmax. In a batch of rows of different lengths (continuous
 batching) a chunk is read only for the longest rows that reach it, rounded up to a quarter of the
-batch (of 8 rows or more): one loop per quarter, over the range of chunks that many rows reach, so a short row does
-not pay for the longest one's prefix. The new block's own keys never touch the cache,
-so the cache is read-only here and prefill is simply `lengths = 0` with a causal block mask.
+batch (of 8 rows or more): one loop per quarter, over the range of chunks that many rows reach,
+so a short row does not pay for the longest one's prefix. The new block's own keys never touch
+the cache, so the cache is read-only here and prefill is simply `lengths = 0` with a causal block mask.
 Inside, everything runs head-major ([B, Hkv, T, G, ...]), the layout of the cache's chunks, so that
 no chunk is transposed before its matmuls.
 """
@@ -100,8 +100,9 @@ def _attend_prefix(q, k_cache, v_cache, layer, lengths, chunk_size, scale, carry
 
     q: [B, Hkv, T, G, D] queries; carry: per row (max, sum, accumulator). With the rows taken
     longest first, the chunks only the n longest reach (n one of `row_counts(B)`) are a range:
-    one loop per n reads its range for those rows (gathered, then scattered back), the whole
-    batch's as one slice. Every row still folds its chunks in order.
+    one loop per n reads its range for those rows (gathered, then scattered back; skipped under
+    a conditional when the range is empty), the whole batch's as one slice. Every row still folds
+    its chunks in order, as a single loop over the whole batch would.
     """
     batch, num_kv_heads, _, _, head_dim = q.shape
 
@@ -125,12 +126,14 @@ def _attend_prefix(q, k_cache, v_cache, layer, lengths, chunk_size, scale, carry
     if len(counts) == 1:
         return lax.fori_loop(0, chunks(jnp.max(lengths)), fold(None, q, lengths), carry)
     longest_first = jnp.argsort(-lengths)  # [B]
-    reached_beyond = lambda count: chunks(lengths[longest_first[count]]) if count < batch else 0  # chunks a row past the first `count` reaches
+    # Chunks some row past the `count` longest reaches: those need more than `count` rows.
+    reached_beyond = lambda count: chunks(lengths[longest_first[count]]) if count < batch else 0
     for count, fewer in zip(counts[::-1], (*counts[-2::-1], 0)):  # the whole batch first: chunks in order
         first, end = reached_beyond(count), reached_beyond(fewer) if fewer else chunks(jnp.max(lengths))
         if count == batch:
             carry = lax.fori_loop(first, end, fold(None, q, lengths), carry)
             continue
+
         def fold_rows(carry, rows=longest_first[:count], first=first, end=end):
             folded = lax.fori_loop(first, end, fold(rows, q[rows], lengths[rows]), tuple(c[rows] for c in carry))
             return tuple(c.at[rows].set(f) for c, f in zip(carry, folded))
