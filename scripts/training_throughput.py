@@ -52,14 +52,9 @@ def interleaved(variants: dict, repeats: int) -> dict:
     return times
 
 
-class _PrefillingWhole(Engine):
-    """An engine whose rows never keep a cached prefix (`Engine.admit(reuse_prefix=...)`)."""
-
-    reuses_prefixes = False
-
-
 def _without_reuse(engine_class):
-    """An earlier revision's Engine as `distill.regenerate` calls it, its rows never keeping a prefix."""
+    """`engine_class` (this revision's Engine or an earlier one's, as `distill.regenerate` calls it)
+    whose rows never keep a cached prefix (`Engine.admit(reuse_prefix=...)`)."""
     class Before(engine_class):
         reuses_prefixes = False
 
@@ -95,7 +90,7 @@ def measure_distill(args, config, params, tokenizer):
     variants = {"chunked": run_chunked, "continuous": continuous("continuous", engine)}
     warmed = []  # engines of this revision (and --continuous-baseline's), warmed before timing
     if args.without_reuse:  # the control: every turn's prompt prefilled whole
-        warmed.append(_PrefillingWhole(config, params, max_len=max_len, attention_chunk=64, eos_ids=eos))
+        warmed.append(_without_reuse(Engine)(config, params, max_len=max_len, attention_chunk=64, eos_ids=eos))
         variants["continuous, no reuse"] = continuous("continuous, no reuse", warmed[-1])
     if args.continuous_baseline:  # today's scheduling on that revision's engine
         before = _without_reuse(baseline_engine_class(args.continuous_baseline))

@@ -123,13 +123,11 @@ def _attend_prefix(q, k_cache, v_cache, layer, lengths, chunk_size, scale, carry
 
     chunks = lambda length: (length + chunk_size - 1) // chunk_size
     counts = row_counts(batch)
-    if len(counts) == 1:
-        return lax.fori_loop(0, chunks(jnp.max(lengths)), fold(None, q, lengths), carry)
     longest_first = jnp.argsort(-lengths)  # [B]
-    # Chunks some row past the `count` longest reaches: those need more than `count` rows.
+    # Chunks some row past the `count` longest reaches (0: every live chunk): they need more rows.
     reached_beyond = lambda count: chunks(lengths[longest_first[count]]) if count < batch else 0
     for count, fewer in zip(counts[::-1], (*counts[-2::-1], 0)):  # the whole batch first: chunks in order
-        first, end = reached_beyond(count), reached_beyond(fewer) if fewer else chunks(jnp.max(lengths))
+        first, end = reached_beyond(count), reached_beyond(fewer)
         if count == batch:
             carry = lax.fori_loop(first, end, fold(None, q, lengths), carry)
             continue
