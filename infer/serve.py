@@ -22,6 +22,11 @@ A seeded request is admitted alone with its seed and samples exactly what
 `Engine.generate([prompt], sampling, seed=seed)` samples, whatever else is running (with a fixed
 draft length: an adaptive one picks one depth for the whole batch, so a sampled row's draws, though
 exact in distribution, depend on what runs beside it).
+Prefix reuse: a request goes to the free slot whose cache holds the longest prefix of its prompt
+(a conversation's next turn finds the slot that served its last), and only the rest is prefilled
+(`Engine.admit(reuse_prefix=True)`; usage reports the kept tokens as
+`prompt_tokens_details.cached_tokens`). A seeded sampled request is prefilled afresh, so that it
+samples exactly what `generate` does; `--no-prefix-reuse` turns reuse off.
 `--schedule static` waits for the whole batch to finish before admitting again (the baseline
 `python -m infer.loadtest` compares against).
 
@@ -80,6 +85,7 @@ class ServeOptions:
     batch_wait_s: float = 0.05  # static schedule: how long a partial batch waits for more requests
     drain_timeout_s: float = 30.0
     warmup: bool = True  # compile every function at startup
+    prefix_reuse: bool = True  # a request keeps what a free slot's cache holds of its prompt
 
     def __post_init__(self):
         if self.max_batch < 1 or self.max_queue < 0 or self.steps_per_sync < 1 or self.default_max_tokens < 1:
@@ -144,6 +150,7 @@ class Metrics:
         self.lock = threading.Lock()
         self.requests = dict.fromkeys(self.OUTCOMES, 0)
         self.prompt_tokens = 0
+        self.cached_prompt_tokens = 0
         self.generated_tokens = 0
         self.accepted_hist = np.zeros(num_draft + 1, np.int64)  # verifier calls by accepted drafts
         self.reached = np.zeros(num_draft, np.int64)  # verifier calls that verified draft position i
@@ -200,6 +207,8 @@ class Metrics:
             metric("specjax_running_requests", "gauge", "Requests holding a slot.", [f"specjax_running_requests {running}"])
             metric("specjax_slots", "gauge", "Batch slots (--max-batch).", [f"specjax_slots {slots}"])
             metric("specjax_prompt_tokens_total", "counter", "Prompt tokens admitted.", [f"specjax_prompt_tokens_total {self.prompt_tokens}"])
+            metric("specjax_cached_prompt_tokens_total", "counter", "Prompt tokens a slot's cache already held (not prefilled).",
+                   [f"specjax_cached_prompt_tokens_total {self.cached_prompt_tokens}"])
             metric("specjax_generated_tokens_total", "counter", "Tokens generated.", [f"specjax_generated_tokens_total {self.generated_tokens}"])
             metric("specjax_tokens_per_second", "gauge", f"Generated tokens per second over the last {self.WINDOW_S:.0f} s.",
                    [f"specjax_tokens_per_second {rate:.3f}"])
@@ -244,6 +253,7 @@ class GenRequest:
     arrival: float = dataclasses.field(default_factory=time.perf_counter)
     # scheduler-side progress
     row: int | None = None
+    cached_tokens: int = 0  # prompt tokens its slot's cache held
     done: bool = False
     num_tokens: int = 0
     sent: str = ""
@@ -427,10 +437,11 @@ class Scheduler:
             for request in group:
                 self._admit([request])
             return
-        rows = [r for r, s in enumerate(self.slots) if s is None][: len(group)]
+        reuse = self.options.prefix_reuse and self.engine.reuses_prefixes and group[0].groupable
         try:
+            rows, kept = self._rows_for(group, reuse)
             prompts, limits = [g.prompt_ids for g in group], [g.max_tokens for g in group]
-            self.state = self.engine.admit(self.state, rows, prompts, limits, seed=self._seed(group[0]))
+            self.state = self.engine.admit(self.state, rows, prompts, limits, seed=self._seed(group[0]), reuse_prefix=reuse)
         except Exception as error:
             log.exception("admission failed")
             if _state_lost(self.state):  # it failed after the state was donated: the batch is gone
@@ -443,15 +454,31 @@ class Scheduler:
                 self._finish_error(group[0], status, f"{type(error).__name__}: {error}")
             return
         now = time.perf_counter()
-        for row, request in zip(rows, group):
-            self.slots[row], request.row = request, row
+        for row, request, cached in zip(rows, group, kept):
+            self.slots[row], request.row, request.cached_tokens = request, row, int(cached)
             self.seen_hist[row] = 0
             self.temperature[row], self.top_p[row] = request.temperature, request.top_p
             self.top_k[row], self.min_p[row] = request.top_k, request.min_p
             self.metrics.observe(self.metrics.queue_wait, now - request.arrival)
             with self.metrics.lock:
                 self.metrics.prompt_tokens += len(request.prompt_ids)
+                self.metrics.cached_prompt_tokens += int(cached)
         self.sampling = self._sampling()
+
+    def _rows_for(self, group: list[GenRequest], reuse: bool) -> tuple[list[int], list[int]]:
+        """Free slots for `group` and the prompt tokens each keeps: in order, each request takes the
+        free slot that keeps the most of its prompt (the first free one when none keeps any)."""
+        free = [r for r, s in enumerate(self.slots) if s is None]
+        if not reuse:
+            return free[: len(group)], [0] * len(group)
+        rows, kept = [], []
+        for request in group:
+            keeps = self.engine.kept_prefixes(self.state, request.prompt_ids)  # [B]
+            row = max(free, key=lambda r: (keeps[r], -r))
+            free.remove(row)
+            rows.append(row)
+            kept.append(int(keeps[row]))
+        return rows, kept
 
     def _collect(self) -> None:
         """After a decode call: statistics, new text for every running request, finished rows freed."""
@@ -507,7 +534,10 @@ class Scheduler:
 
     def _usage(self, request: GenRequest) -> dict:
         prompt = len(request.prompt_ids)
-        return {"prompt_tokens": prompt, "completion_tokens": request.num_tokens, "total_tokens": prompt + request.num_tokens}
+        return {
+            "prompt_tokens": prompt, "completion_tokens": request.num_tokens, "total_tokens": prompt + request.num_tokens,
+            "prompt_tokens_details": {"cached_tokens": request.cached_tokens},
+        }
 
     def _release(self, request: GenRequest) -> None:
         request.done = True
@@ -935,6 +965,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     server.add_argument("--schedule", choices=["continuous", "static"], default="continuous",
                         help="static: admit only when the whole batch has finished (a baseline)")
     server.add_argument("--drain-timeout", type=common.NON_NEGATIVE, default=30.0, help="seconds running requests get on shutdown")
+    server.add_argument("--no-prefix-reuse", dest="prefix_reuse", action="store_false",
+                        help="prefill every prompt whole (default: keep what a free slot's cache holds of it)")
     server.add_argument("--served-model-name", default=None, help="the model id clients send (default: the model file's name)")
     args = parser.parse_args(_split_method(list(sys.argv[1:] if argv is None else argv)))
     args.spec = common.method_spec(args)
@@ -961,7 +993,7 @@ def main(argv: list[str] | None = None) -> None:
     options = ServeOptions(
         model_name=args.served_model_name or name, max_batch=args.max_batch, max_queue=args.max_queue,
         steps_per_sync=args.steps_per_sync, default_max_tokens=args.default_max_tokens, schedule=args.schedule,
-        drain_timeout_s=args.drain_timeout,
+        drain_timeout_s=args.drain_timeout, prefix_reuse=args.prefix_reuse,
     )
     log.info("serving %s with %s, %d slots, %s batching, on http://%s:%d", options.model_name, args.spec.label,
              options.max_batch, options.schedule, args.host, args.port)

@@ -175,6 +175,7 @@ class Engine:
         self._prefill_jit = jax.jit(self._prefill_chunk, donate_argnums=2)
         self._place_jit = jax.jit(self._place, donate_argnums=0)
         self._keep_prefix_jit = jax.jit(self._keep_prefix, donate_argnums=0)
+        self._reusable_jit = jax.jit(lambda drafter_state: self.drafter.reusable(drafter_state))
         self._decode_jit = jax.jit(self._decode, donate_argnums=2)
 
     # ----------------------------------------------------------------- traced pieces
@@ -236,10 +237,20 @@ class Engine:
         ]
         return jax.tree.unflatten(treedef, placed)
 
+    def _take(self, state: DecodeState, rows) -> DecodeState:
+        """The rows [R] of `state` (every leaf along its batch axis)."""
+        leaves, treedef = jax.tree.flatten(state)
+        taken = [leaf if axis is None else jnp.take(leaf, rows, axis) for leaf, axis in zip(leaves, self._row_axes)]
+        return jax.tree.unflatten(treedef, taken)
+
     def _keep_prefix(self, new: DecodeState, state: DecodeState, rows, kept) -> DecodeState:
-        """`new` (R rows) with the caches of `state`'s rows [R], cut back to their first kept [R] slots."""
-        cache = new.cache.replace(k=state.cache.k[:, rows], v=state.cache.v[:, rows], lengths=kept)
-        return new.replace(cache=cache)
+        """`new` (R rows) with the caches of `state`'s rows [R] cut back to their first kept [R]
+        slots, and what the drafter keeps of those rows' state (`Drafter.keep_prefix`)."""
+        held = self._take(state, rows)
+        return new.replace(
+            cache=held.cache.replace(lengths=kept),
+            drafter_state=self.drafter.keep_prefix(new.drafter_state, held.drafter_state, kept),
+        )
 
     def _prefill_chunk(self, params, drafter_params, state: DecodeState, chunk: PrefillChunk) -> DecodeState:
         out = self._target(params, chunk.tokens, chunk.positions, state.cache, tree_lib.causal_mask(chunk.tokens.shape[1]))
@@ -468,8 +479,9 @@ class Engine:
 
         reuse_prefix: a row keeps the longest prefix of its new prompt that its cache already
         holds (a finished turn's context when the prompt is the conversation's next turn) and only
-        the rest is prefilled; the cache is cut back to it by its logical length. Needs a drafter
-        without state of the prompt (`reuses_prefixes`).
+        the rest is prefilled; the cache is cut back to it by its logical length. A drafter with
+        state keeps its own entries of those positions (`Drafter.keep_prefix`) and reads the last
+        one again, so a row keeps one position fewer with it. Needs `reuses_prefixes`.
         """
         batch = state.pending.shape[0]
         if not 0 <= seed < 2**32:
@@ -482,8 +494,8 @@ class Engine:
         drafter_params = self._check_drafter_params(drafter_params)
         if reuse_prefix and not self.reuses_prefixes:
             raise ValueError(
-                f"reuse_prefix: the {type(self.drafter).__name__} drafter keeps state of the prompt, which a kept "
-                "cache prefix would not match; admit without reuse_prefix"
+                f"reuse_prefix: the {type(self.drafter).__name__} drafter keeps state of the prompt and cannot keep "
+                "a cached prefix of it (Drafter.keeps_prefixes); admit without reuse_prefix"
             )
         count = len(prompts)
         history = np.zeros((count, self.max_len), np.int32)  # [R, S] the new prompts, zero-padded
@@ -492,7 +504,7 @@ class Engine:
             history[i, : len(prompt)] = prompt
         new = self._fresh_jit(*map(jnp.asarray, (history, lengths, max_new)), jnp.uint32(seed))
         prefill_lengths = lengths - 1  # the last prompt token is pending
-        kept = self._cached_prefix(state, rows, history, prefill_lengths) if reuse_prefix else np.zeros(count, np.int32)
+        kept = self._kept_prefixes(state, rows, history, prefill_lengths) if reuse_prefix else np.zeros(count, np.int32)
         if kept.any():
             new = self._keep_prefix_jit(new, state, jnp.asarray(rows, jnp.int32), jnp.asarray(kept))
         history_dev = jnp.asarray(history)
@@ -517,20 +529,40 @@ class Engine:
         return self._place_jit(state, new, jnp.asarray(rows, jnp.int32))
 
     @functools.cached_property
-    def reuses_prefixes(self) -> bool:
-        """Whether `admit` may keep a cached prefix (`reuse_prefix`): the drafter holds no state
-        of the prompt (n-gram lookup and plain decoding read the history alone)."""
-        return not jax.tree.leaves(jax.eval_shape(lambda: self.drafter.init_state(1, self.max_len)))
+    def _drafter_has_state(self) -> bool:
+        return bool(jax.tree.leaves(jax.eval_shape(lambda: self.drafter.init_state(1, self.max_len))))
 
-    def _cached_prefix(self, state: DecodeState, rows, history: np.ndarray, prefill_lengths: np.ndarray) -> np.ndarray:
-        """[R] how many of each new prompt's first tokens (up to those it prefills) row rows[i] holds
-        in its cache already: the common prefix with the row's committed tokens."""
+    @property
+    def reuses_prefixes(self) -> bool:
+        """Whether `admit` may keep a cached prefix (`reuse_prefix`): the drafter holds no state (n-gram
+        lookup and plain decoding read the history alone) or can keep its own (`Drafter.keeps_prefixes`)."""
+        return not self._drafter_has_state or self.drafter.keeps_prefixes
+
+    def kept_prefixes(self, state: DecodeState, prompt: list[int]) -> np.ndarray:
+        """[B] how many of `prompt`'s first tokens each row would keep, admitted with `reuse_prefix`
+        (a scheduler's choice of row for a conversation's next turn)."""
+        if not self.reuses_prefixes:
+            return np.zeros(state.pending.shape[0], np.int32)
+        history = np.zeros((1, self.max_len), np.int32)
+        history[0, : len(prompt)] = prompt[: self.max_len]
+        rows = np.arange(state.pending.shape[0])
+        return self._kept_prefixes(state, rows, history, np.full(len(rows), len(prompt) - 1))
+
+    def _kept_prefixes(self, state: DecodeState, rows, history: np.ndarray, prefill_lengths: np.ndarray) -> np.ndarray:
+        """[R] how many of each new prompt's first tokens (history [R or 1, S], up to those it prefills)
+        row rows[i] keeps: the common prefix with the row's committed tokens; with a drafter that has
+        state one fewer (it reads that position's taps again) and no more than the state holds exactly."""
         rows = np.asarray(rows)
         committed = np.asarray(state.cache.lengths)[rows]  # [R]
         held = np.asarray(state.history)[rows]  # [R, S]
         limit = np.minimum(committed, prefill_lengths)  # [R]
         differs = (held != history) | (np.arange(self.max_len)[None, :] >= limit[:, None])  # [R, S]
-        return np.argmax(np.pad(differs, ((0, 0), (0, 1)), constant_values=True), axis=1).astype(np.int32)
+        kept = np.argmax(np.pad(differs, ((0, 0), (0, 1)), constant_values=True), axis=1)
+        if self._drafter_has_state and kept.any():
+            kept = np.maximum(kept - 1, 0)
+            reusable = self._reusable_jit(state.drafter_state)  # [B] or None
+            kept = kept if reusable is None else np.minimum(kept, np.asarray(reusable)[rows])
+        return kept.astype(np.int32)
 
     def _prefill_windows(self, length: int) -> list[tuple[int, int]]:
         """(start, width) of the prefill chunks over `length` tokens: prefill_chunk wide, but the

@@ -83,11 +83,11 @@ def test_a_next_turn_goes_to_the_row_that_holds_its_context(monkeypatch):
     other = [dict(m, content="you there") if m["content"] == "hello" else m for m in RECORDS[1]["conversations"]]
     conversations = [RECORDS[1]["conversations"], other]
     kept = []  # per admission, the prefix its row kept
-    cached_prefix = Engine._cached_prefix
+    kept_prefixes = Engine._kept_prefixes
     def spy(self, *args):
-        kept.append(int(cached_prefix(self, *args)[0]))  # one row per admission
+        kept.append(int(kept_prefixes(self, *args)[0]))  # one row per admission
         return np.asarray(kept[-1:], np.int32)
-    monkeypatch.setattr(Engine, "_cached_prefix", spy)
+    monkeypatch.setattr(Engine, "_kept_prefixes", spy)
     results = distill.regenerate(
         Engine(CONFIG, PARAMS, max_len=64), tokenizer, conversations, batch_size=2, max_prompt_tokens=32,
         max_new_tokens=MAX_NEW, temperature=0.0, seed=0,

@@ -10,7 +10,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from engine_helpers import all_drafters, eagle3_drafter, tiny_config, tiny_params
+from engine_helpers import OracleTreeDrafter, all_drafters, eagle3_drafter, tiny_config, tiny_params
+from specjax import kv_cache as kv
+from specjax.drafters.adaptive import AdaptiveDepth
 from specjax.drafters.draft_model import DraftModelDrafter
 from specjax import engine as engine_module
 from specjax.engine import Engine, memory_maps
@@ -165,35 +167,81 @@ def test_a_finished_slot_takes_a_new_prompt(method, autoregressive):
         engine.admit(state, [2], [PROMPTS[0]], 4)
 
 
-@pytest.mark.parametrize("method", [None, "ngram"])
+def assert_same_state(kept, fresh, *, atol=1e-5):
+    """Two drafter states (or target caches) hold the same: every cache's entries below its rows'
+    lengths, every other leaf whole."""
+    is_cache = lambda x: isinstance(x, kv.KVCache)
+    for a, b in zip(jax.tree.leaves(kept, is_leaf=is_cache), jax.tree.leaves(fresh, is_leaf=is_cache)):
+        if not is_cache(a):
+            np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32), atol=atol)
+            continue
+        lengths = np.asarray(a.lengths)
+        np.testing.assert_array_equal(lengths, np.asarray(b.lengths))
+        for row, length in enumerate(lengths):
+            for x, y in ((a.k, b.k), (a.v, b.v)):  # [L, B, Hkv, S, D]
+                np.testing.assert_allclose(x[:, row, :, :length], y[:, row, :, :length], atol=atol)
+
+
+#: Drafters of every kind of state: none, a head's cache and output (with and without a queue of
+#: postponed entries), a draft model's cache, Medusa's last feature, Lookahead's pool.
+REUSING = [None, "ngram", "eagle3-chain", "eagle3-ngram-auto", "eagle1-tree", "draft-random", "medusa-chain", "lookahead"]
+
+
+@pytest.mark.parametrize("method", REUSING)
 def test_a_row_keeps_the_cached_prefix_of_its_next_prompt(method):
     """A conversation's next turn in the row that held the last: only the tokens past what the
-    row's cache holds are prefilled, and the row generates what the prompt does afresh."""
+    row's cache holds are prefilled, the drafter's state equals a fresh admission's, and the row
+    generates what the prompt does afresh."""
     engine, greedy = engine_for(method), SamplingParams.make(2)
     finished = engine.decode(engine.admit(engine.init_state(2), [0, 1], PROMPTS[:2], 12), greedy, 100)
     next_turn = PROMPTS[0] + engine.outputs(finished)[0] + [30, 31, 32, 33]  # the context, the reply, a new message
     diverging = PROMPTS[1][:2] + [50, 51, 52, 53, 54]  # shares two tokens with row 1's prompt
     prompts, max_new = [next_turn, diverging], NEW_TOKENS - 12
+    rereads = int(method not in (None, "ngram"))  # a drafter with state reads the last kept position again
 
     marked = jax.tree.map(jnp.copy, finished)
     marked = marked.replace(cache=marked.cache.replace(k=marked.cache.k.at[:, :, :, :3].set(1e4)))  # kept slots keep it
     k = np.asarray(engine.admit(marked, [0, 1], prompts, max_new, reuse_prefix=True).cache.k)  # [L, B, Hkv, S, D]
     assert np.all(k[:, 0, :, :3] == 1e4)  # row 0 kept its whole context
-    assert np.all(k[:, 1, :, :2] == 1e4) and not np.any(k[:, 1, :, 2] == 1e4)  # row 1 kept two slots
+    shared = 2 - rereads
+    assert np.all(k[:, 1, :, :shared] == 1e4) and not np.any(k[:, 1, :, shared] == 1e4)  # row 1 kept the shared slots
 
     state = engine.admit(finished, [0, 1], prompts, max_new, reuse_prefix=True)
     fresh = engine.admit(engine.init_state(2), [0, 1], prompts, max_new)
     assert list(np.asarray(state.cache.lengths)) == [len(next_turn) - 1, len(diverging) - 1]
-    for row, prompt in enumerate(prompts):  # kept or prefilled, every slot holds the prompt's keys and values
-        for kept, prefilled in ((state.cache.k, fresh.cache.k), (state.cache.v, fresh.cache.v)):
-            np.testing.assert_allclose(kept[:, row, :, : len(prompt) - 1], prefilled[:, row, :, : len(prompt) - 1], atol=1e-5)
+    assert_same_state(state.cache, fresh.cache)  # kept or prefilled, every slot holds the prompt's keys and values
+    assert_same_state(state.drafter_state, fresh.drafter_state, atol=1e-4)
     assert engine.outputs(engine.decode(state, greedy, 100)) == engine_for(None).generate(prompts, max_new_tokens=max_new).tokens
 
 
-def test_a_drafter_with_state_of_the_prompt_cannot_keep_a_prefix():
-    engine = engine_for("eagle3-chain")
-    assert not engine.reuses_prefixes and engine_for("ngram").reuses_prefixes
-    with pytest.raises(ValueError, match="keeps state of the prompt"):
+def test_a_head_keeps_its_entries_only_up_to_the_first_gap():
+    """An adaptive head drops the oldest entries of a long plain stretch and reads the rest when it
+    drafts again, leaving a gap in its cache: a next turn keeps its entries up to the gap (the
+    first prompt) and prefills the rest."""
+    def engine_at(costs):  # the same head; the costs decide whether it drafts
+        return Engine(CONFIG, PARAMS, AdaptiveDepth(eagle3_drafter(CONFIG, PARAMS, depth=3), costs=costs), max_len=MAX_LEN)
+
+    plain, eager, greedy = engine_at([1.0, 50.0, 50.0, 50.0]), engine_at([1.0, 0.5, 0.5, 0.5]), SamplingParams.make(1)
+    state = plain.decode(plain.admit(plain.init_state(1), [0], PROMPTS[:1], 60), greedy, 40)  # 40 entries queued
+    finished = eager.decode(state, greedy, 100)
+    head, prompt_entries = finished.drafter_state, len(PROMPTS[0]) - 1
+    assert int(finished.steps_by_depth[1:].sum()) > 0  # it drafted, reading what the queue kept
+    assert int(head.backlog.aligned[0]) == prompt_entries < int(head.cache.lengths[0])
+    next_turn = PROMPTS[0] + eager.outputs(finished)[0] + [30, 31]
+    state = eager.admit(finished, [0], [next_turn], 8, reuse_prefix=True)
+    fresh = eager.admit(eager.init_state(1), [0], [next_turn], 8)
+    assert_same_state(state.drafter_state, fresh.drafter_state, atol=1e-4)
+    assert eager.outputs(eager.decode(state, greedy, 20)) == eager.outputs(eager.decode(fresh, greedy, 20))
+
+
+def test_a_drafter_that_cannot_keep_its_state_refuses_a_kept_prefix():
+    class Forgetful(OracleTreeDrafter):  # state of the prompt, and no keep_prefix
+        def init_state(self, batch_size, max_len):
+            return jnp.zeros((batch_size,), jnp.int32)
+
+    engine = Engine(CONFIG, PARAMS, Forgetful(CONFIG, PARAMS, depth=1), max_len=MAX_LEN)
+    assert not engine.reuses_prefixes and engine_for("eagle3-chain").reuses_prefixes
+    with pytest.raises(ValueError, match="cannot keep a cached prefix"):
         engine.admit(engine.init_state(1), [0], PROMPTS[:1], 4, reuse_prefix=True)
 
 

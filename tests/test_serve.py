@@ -51,6 +51,7 @@ def server(engine, tokenizer):
     app = create_app(engine, tokenizer, ServeOptions(model_name=MODEL, max_batch=SLOTS, max_queue=64, steps_per_sync=3))
     with ServerThread(app) as running:
         running.compiled = compile_counts(engine)  # after the warm-up at startup
+        running.metrics = app.state.metrics
         yield running
 
 
@@ -176,6 +177,26 @@ def test_sixteen_concurrent_greedy_requests_equal_generate(engine, tokenizer, se
         got = list(pool.map(one, range(16)))
     assert got == [text for text, _ in expected]
     assert compile_counts(engine) == server.compiled
+
+
+def test_a_next_turn_keeps_what_its_slot_holds(engine, tokenizer, server, client):
+    """A chat's second turn goes to the slot that served its first and prefills only what that
+    slot's cache lacks (at least the first turn's prompt); it answers what a fresh prefill does."""
+    first = [{"role": "user", "content": words(9, offset=3)}]
+    reply = client.chat.completions.create(model=MODEL, messages=first, max_tokens=12, temperature=0)
+    second = first + [{"role": "assistant", "content": reply.choices[0].message.content},
+                      {"role": "user", "content": words(4, offset=1)}]
+    rendered = tokenizer.hf.apply_chat_template(second, tokenize=False, add_generation_prompt=True)
+    (expected, _), = reference(engine, tokenizer, [tokenizer.encode(rendered)], [12])
+    cached_before = server.metrics.cached_prompt_tokens
+    answer = client.chat.completions.create(model=MODEL, messages=second, max_tokens=12, temperature=0)
+    assert answer.choices[0].message.content == expected
+    cached = answer.usage.prompt_tokens_details.cached_tokens
+    first_prompt = len(chat_ids(tokenizer, first[0]["content"]))
+    assert cached >= first_prompt > reply.usage.prompt_tokens_details.cached_tokens  # the first turn shared the template's start
+    assert server.metrics.cached_prompt_tokens - cached_before == cached
+    assert f"specjax_cached_prompt_tokens_total {server.metrics.cached_prompt_tokens}" in httpx.get(
+        server.url + "/metrics", trust_env=False).text
 
 
 def test_seeded_sampling_is_reproducible(engine, tokenizer, client):

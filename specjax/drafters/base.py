@@ -170,6 +170,23 @@ class Drafter(abc.ABC):
         """Read one chunk of the prompts. Default: nothing to read."""
         return state
 
+    #: Whether a row's state can keep a cached prompt prefix (`keep_prefix`); a drafter without
+    #: state always can. `Engine.admit(reuse_prefix=True)` refuses the others.
+    keeps_prefixes: bool = False
+
+    def reusable(self, held: DrafterState) -> jax.Array | None:
+        """[R] how many leading target positions the state of R rows (`held`) holds exactly, as a
+        fresh prefill of those positions would have left it; None: no limit. Default: None."""
+        return None
+
+    def keep_prefix(self, fresh: DrafterState, held: DrafterState, kept: jax.Array) -> DrafterState:
+        """The state of R new rows whose target caches keep the first kept [R] entries of rows whose
+        state was `held` (those R rows); `fresh` is the new rows' initial state. The engine keeps no
+        more than `reusable(held)` entries, and at least the last prompt position is prefilled
+        after this, so state of the newest position (a head's output) is rewritten there.
+        Default: `fresh` (a drafter whose prefill reads nothing)."""
+        return fresh
+
     @abc.abstractmethod
     def propose(
         self, params, state: DrafterState, key: jax.Array, ctx: StepContext, sampling: SamplingParams
@@ -269,6 +286,16 @@ class Wrapper(Drafter):
 
     def prefill(self, params, state, chunk):
         return self.inner.prefill(params, state, chunk)
+
+    @property
+    def keeps_prefixes(self) -> bool:
+        return self.inner.keeps_prefixes
+
+    def reusable(self, held):
+        return self.inner.reusable(held)
+
+    def keep_prefix(self, fresh, held, kept):
+        return self.inner.keep_prefix(fresh, held, kept)
 
     def update(self, params, state, ctx, proposal, commit, features, **aux):
         return self.inner.update(params, state, ctx, proposal, commit, features, **aux)

@@ -55,6 +55,14 @@ class DraftModelDrafter(ChainDrafter):
         _, k, v = self._forward(params, cache, chunk.tokens, chunk.positions, causal)
         return kv.append(cache, k, v, chunk.num_valid)
 
+    keeps_prefixes = True
+
+    def reusable(self, held: kv.KVCache) -> jax.Array:
+        return jnp.maximum(held.lengths - 1, 0)  # the invariant above: entry lengths - 1 may be missing
+
+    def keep_prefix(self, fresh: kv.KVCache, held: kv.KVCache, kept: jax.Array) -> kv.KVCache:
+        return held.replace(lengths=kept)
+
     def propose(self, params, cache: kv.KVCache, key, ctx: StepContext, sampling):
         batch = ctx.pending.shape[0]
         start = jnp.maximum(ctx.lengths - 1, 0)  # [B]

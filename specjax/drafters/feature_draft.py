@@ -9,9 +9,10 @@ steps that draft nothing (`NAME:auto` at depth 0) a postponing drafter only queu
 keeping the newest W, and reads the queue in one block before it drafts again: a depth-0 step then
 costs what plain decoding does. Entries dropped from a full queue are never read: the head's cache
 then lacks those positions (its entries keep their own target positions, so attention simply does
-not see them). The two differ only in the head (`FeatureDrafter._head`, `_project`,
-`_to_target`): EAGLE-3 fuses three target layers and predicts a draft vocabulary, EAGLE-1 reads
-the top layer and regresses the next one.
+not see them). A row's next prompt keeps the head's entries of the positions it shares with what
+the row held (`keep_prefix`), up to the first gap a dropped entry left. The two differ only in
+the head (`FeatureDrafter._head`, `_project`, `_to_target`): EAGLE-3 fuses three target layers
+and predicts a draft vocabulary, EAGLE-1 reads the top layer and regresses the next one.
 
 Chain (top-k 1): each draft is sampled from the head's distribution, processed like the target's
 (temperature, top-k, top-p; the argmax for greedy rows), and verified by the rejection rule.
@@ -59,6 +60,7 @@ class Backlog:
     features: jax.Array  # [B, W, F] target taps
     tokens: jax.Array  # [B, W] the token after each
     count: jax.Array  # [B] entries held
+    aligned: jax.Array  # [B] the head's leading cache entries that sit at their own target positions (before any gap)
 
 
 @struct.dataclass
@@ -149,6 +151,7 @@ class FeatureDrafter(Drafter):
             features=jnp.zeros((batch_size, size, self.taps.width(s.hidden_size)), self.dtype),
             tokens=jnp.zeros((batch_size, size), jnp.int32),
             count=jnp.zeros((batch_size,), jnp.int32),
+            aligned=jnp.zeros((batch_size,), jnp.int32),
         )
         return FeatureDraftState(
             cache=kv.KVCache.init(1, batch_size, max_len, s.num_kv_heads, s.head_dim, self.dtype),
@@ -174,18 +177,36 @@ class FeatureDrafter(Drafter):
         hidden = jnp.take_along_axis(out.hidden, jnp.maximum(count - 1, 0)[:, None, None], 1)[:, 0]
         return out.k, out.v, hidden
 
-    def _commit_read(self, state: FeatureDraftState, k, v, hidden, count) -> FeatureDraftState:
-        """Append the first `count[b]` entries of a read block to the head's cache; rows that read
-        something keep the output at their last entry for the next draft (its logits are computed
-        only when a step drafts)."""
+    def _commit_read(self, state: FeatureDraftState, k, v, hidden, count, start) -> FeatureDraftState:
+        """Append the first `count[b]` entries of a read block (target positions from start [B]) to
+        the head's cache; rows that read something keep the output at their last entry for the next
+        draft (its logits are computed only when a step drafts)."""
+        backlog = state.backlog
+        if backlog is not None:  # entries stay aligned while each block starts where the cache ends
+            lengths = state.cache.lengths
+            in_place = (backlog.aligned == lengths) & (start == lengths)
+            backlog = backlog.replace(aligned=jnp.where(in_place, lengths + count, backlog.aligned))
         return state.replace(
-            cache=kv.append(state.cache, k, v, count), hidden=jnp.where((count > 0)[:, None], hidden, state.hidden)
+            cache=kv.append(state.cache, k, v, count), hidden=jnp.where((count > 0)[:, None], hidden, state.hidden),
+            backlog=backlog,
         )
 
     def _read(self, params, state: FeatureDraftState, features, next_tokens, count) -> FeatureDraftState:
         """Read `count[b]` entries (target taps [B, W, F], the token after each [B, W]) into the head's cache."""
-        k, v, hidden = self._read_block(params, state.cache, features, next_tokens, count, state.cache.lengths)
-        return self._commit_read(state, k, v, hidden, count)
+        start = state.cache.lengths
+        k, v, hidden = self._read_block(params, state.cache, features, next_tokens, count, start)
+        return self._commit_read(state, k, v, hidden, count, start)
+
+    keeps_prefixes = True
+
+    def reusable(self, held: FeatureDraftState) -> jax.Array:
+        # Entry t sits in slot t until a dropped queue entry leaves a gap.
+        return held.cache.lengths if held.backlog is None else held.backlog.aligned
+
+    def keep_prefix(self, fresh: FeatureDraftState, held: FeatureDraftState, kept: jax.Array) -> FeatureDraftState:
+        # The head's output is rewritten by the prefill, which reads at least the last prompt position.
+        backlog = None if fresh.backlog is None else fresh.backlog.replace(aligned=kept)
+        return fresh.replace(cache=held.cache.replace(lengths=kept), backlog=backlog)
 
     def prefill(self, params, state: FeatureDraftState, chunk: PrefillChunk) -> FeatureDraftState:
         # Entry t reads the token at t + 1; the prefill stops before the pending token, so it is known.
@@ -215,7 +236,7 @@ class FeatureDrafter(Drafter):
         kept = jnp.minimum(jnp.arange(size)[None, :] + dropped[:, None], size - 1)  # [B, W]
         count = backlog.count - dropped
         slots = count[:, None] + jnp.arange(path_width)  # [B, D + 1]; past the queued ones are overwritten later
-        backlog = Backlog(
+        backlog = backlog.replace(
             features=backlog.features[rows, kept].at[rows, slots].set(path_features.astype(backlog.features.dtype), mode="drop"),
             tokens=backlog.tokens[rows, kept].at[rows, slots].set(next_tokens, mode="drop"),
             count=count + commit.num_committed,
@@ -235,8 +256,8 @@ class FeatureDrafter(Drafter):
         which = jnp.where(commit.drafts_next, jnp.where(jnp.max(backlog.count) <= path_width, 1, 2), 0)
         k, v, hidden = jax.lax.switch(which, [nothing, read(min(path_width, size)), read(size)])
         count = jnp.where(commit.drafts_next, backlog.count, 0)
-        state = self._commit_read(state, k, v, hidden, count)
-        return state.replace(backlog=backlog.replace(count=backlog.count - count))
+        state = self._commit_read(state.replace(backlog=backlog), k, v, hidden, count, start)
+        return state.replace(backlog=state.backlog.replace(count=backlog.count - count))
 
     def propose(self, params, state: FeatureDraftState, key, ctx: StepContext, sampling):
         if self.depth == 0:  # an adaptive step that drafts nothing

@@ -60,6 +60,8 @@ class LookaheadDrafter(Drafter):
         if target_config.vocab_size != self.vocab_size:
             raise ValueError(f"lookahead pool built for {self.vocab_size} tokens, the target has {target_config.vocab_size}")
 
+    keeps_prefixes = True  # its state starts empty for every prompt and reads nothing of it
+
     def init_state(self, batch_size: int, max_len: int) -> LookaheadState:
         depth, width, guesses = self.ngram - 1, self.window, self.guesses
         zeros = lambda *shape: jnp.zeros((batch_size,) + shape, jnp.int32)

@@ -119,6 +119,8 @@ class MedusaDrafter(Drafter):
         last = jnp.take_along_axis(features, index[:, None, None], 1)[:, 0].astype(state.hidden.dtype)
         return MedusaState(hidden=jnp.where(has[:, None], last, state.hidden))
 
+    keeps_prefixes = True  # the prefill rewrites `hidden` at the last prompt position (`Drafter.keep_prefix`)
+
     def prefill(self, params, state: MedusaState, chunk: PrefillChunk) -> MedusaState:
         return self._keep_last(state, chunk.features, jnp.maximum(chunk.num_valid - 1, 0), chunk.num_valid > 0)
 
