@@ -769,7 +769,8 @@ class Engine:
 
     def warmup(self, batch_size: int, *, refills: bool = False) -> float:
         """Compile every function for this batch size, each prefill width included; returns the
-        seconds it took. refills: also admitting one row into a running batch (continuous batching)."""
+        seconds it took. refills: also admitting one row into a running batch (continuous batching),
+        keeping a cached prefix where the drafter can (`reuse_prefix`)."""
         start = time.perf_counter()
         self.generate([[0, 0]] * batch_size, max_new_tokens=2)  # two tokens: one to prefill
         shortest = {}  # prefill width -> the fewest prefilled tokens that use it
@@ -782,8 +783,8 @@ class Engine:
             state = self.admit(self.init_state(batch_size), range(batch_size), [prompt] * batch_size, 1)
             if refills and batch_size > 1:
                 self.admit(self.init_state(batch_size), [0], [prompt], 1)
-                if self.reuses_prefixes:  # a row keeping its cached prompt
-                    self.admit(state, [0], [prompt], 1, reuse_prefix=True)
+            if refills and self.reuses_prefixes:  # a row keeping its cached prompt
+                self.admit(state, [0], [prompt], 1, reuse_prefix=True)
         return time.perf_counter() - start
 
     def outputs(self, state: DecodeState) -> list[list[int]]:

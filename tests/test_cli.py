@@ -41,6 +41,48 @@ def test_generate_speculative_text_equals_autoregressive(capsys):
 
 
 @pytest.mark.slow
+def test_chat_keeps_the_conversation_in_the_cache(capsys, monkeypatch):
+    """--chat: the second turn prefills only what follows the first turn's context, and answers
+    what the whole conversation prefilled afresh does."""
+    import io
+    import re
+
+    from specjax import checkpoints
+    from specjax import tokenizer as tokenizer_lib
+    from specjax.engine import Engine
+
+    questions = ["Name three colors.", "", "Which of them is the color of the sky?"]  # a blank line is skipped
+    monkeypatch.setattr("sys.stdin", io.StringIO("\n".join(questions) + "\n"))
+    admit, reused = Engine.admit, []
+    def spy(self, *args, reuse_prefix=False, **kwargs):
+        reused.append(reuse_prefix)
+        return admit(self, *args, reuse_prefix=reuse_prefix, **kwargs)
+    monkeypatch.setattr(Engine, "admit", spy)
+    generate.main(["--chat", "--method", "eagle3", "--num-spec", "3", "--max-new-tokens", "16", "--max-len", "256"])
+    captured = capsys.readouterr()
+    assert reused[-2:] == [True, True]  # the two turns (after the warm-up's admissions)
+    monkeypatch.setattr(Engine, "admit", admit)
+    turns = [tuple(map(int, found)) for found in re.findall(r"turn \d: (\d+) of (\d+) prompt tokens", captured.err)]
+    path = checkpoints.default_model_path()
+    tokenizer = tokenizer_lib.load(path)
+    engine = Engine(*checkpoints.load_model(path), max_len=256, eos_ids=tokenizer.eos_token_ids)
+
+    def reply(ids):  # greedy, the whole prompt prefilled afresh
+        tokens = engine.generate([ids], max_new_tokens=16).tokens[0]
+        return tokenizer.decode([t for t in tokens if t not in engine.eos_ids], skip_special_tokens=True)
+
+    first = tokenizer.encode(tokenizer.chat_prompt(questions[0]))
+    messages = [{"role": "user", "content": questions[0]}, {"role": "assistant", "content": reply(first)},
+                {"role": "user", "content": questions[2]}]
+    second = tokenizer.encode(tokenizer.hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=True))
+    assert captured.out == f"{reply(first)}\n{reply(second)}\n"
+    assert turns[0] == (0, len(first)) and turns[1][1] == len(second)
+    assert len(first) <= turns[1][0] < len(second)  # the first turn's context, then the new message
+    with pytest.raises(ValueError, match="--chat reads its messages from stdin"):
+        generate.main(["--chat", "--prompt", "hi"])
+
+
+@pytest.mark.slow
 def test_generate_rejects_a_prompt_longer_than_the_cache():
     with pytest.raises(ValueError, match="cache slots"):
         generate.main(["--prompt", "word " * 200, "--max-len", "128", "--max-new-tokens", "8"])
