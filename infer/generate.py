@@ -123,7 +123,7 @@ def chat(engine: Engine, tokenizer: Tokenizer, args: argparse.Namespace, samplin
     state = engine.init_state(1)
     for turn, line in enumerate(line for line in sys.stdin if line.strip()):
         messages.append({"role": "user", "content": line.strip()})
-        ids = tokenizer.encode(tokenizer.hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=True))
+        ids = tokenizer.encode(tokenizer.render_chat(messages))
         try:
             engine.validate([ids], sampling, args.max_new_tokens)
         except ValueError as error:

@@ -837,7 +837,7 @@ def create_app(engine: Engine, tokenizer: Tokenizer | Any, options: ServeOptions
         if not tokenizer.hf.chat_template:
             raise bad_request("this model's tokenizer has no chat template; use /v1/completions", "messages")
         try:
-            text = tokenizer.hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+            text = tokenizer.render_chat(messages)
         except Exception as error:  # jinja raises for roles or orders a template does not take
             raise bad_request(f"messages: the chat template refused them ({error})", "messages") from None
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens

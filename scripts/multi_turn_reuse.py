@@ -31,7 +31,7 @@ from specjax.sampling import SamplingParams  # noqa: E402
 
 def second_turn(tokenizer, turns: list[str], reply: str) -> list[int]:
     messages = [{"role": "user", "content": turns[0]}, {"role": "assistant", "content": reply}, {"role": "user", "content": turns[1]}]
-    return tokenizer.encode(tokenizer.hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=True))
+    return tokenizer.encode(tokenizer.render_chat(messages))
 
 
 def ttft(engine: Engine, finished, prompt: list[int], reuse: bool, greedy) -> float:

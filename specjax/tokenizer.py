@@ -81,10 +81,13 @@ class Tokenizer:
 
     def chat_prompt(self, user_text: str, system: str | None = None) -> str:
         """One user turn rendered with the model's chat template, ending where the assistant speaks."""
+        messages = [{"role": "system", "content": system}] if system is not None else []
+        return self.render_chat(messages + [{"role": "user", "content": user_text}])
+
+    def render_chat(self, messages: list[dict[str, str]]) -> str:
+        """A conversation ({role, content} messages) in the model's chat template, ending where the assistant speaks."""
         if not self.hf.chat_template:
             raise ValueError("this tokenizer has no chat template")
-        messages = [{"role": "system", "content": system}] if system is not None else []
-        messages.append({"role": "user", "content": user_text})
         return self.hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
 
 

@@ -74,7 +74,7 @@ def test_chat_keeps_the_conversation_in_the_cache(capsys, monkeypatch):
     first = tokenizer.encode(tokenizer.chat_prompt(questions[0]))
     messages = [{"role": "user", "content": questions[0]}, {"role": "assistant", "content": reply(first)},
                 {"role": "user", "content": questions[2]}]
-    second = tokenizer.encode(tokenizer.hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=True))
+    second = tokenizer.encode(tokenizer.render_chat(messages))
     assert captured.out == f"{reply(first)}\n{reply(second)}\n"
     assert turns[0] == (0, len(first)) and turns[1][1] == len(second)
     assert len(first) <= turns[1][0] < len(second)  # the first turn's context, then the new message

@@ -186,7 +186,7 @@ def test_a_next_turn_keeps_what_its_slot_holds(engine, tokenizer, server, client
     reply = client.chat.completions.create(model=MODEL, messages=first, max_tokens=12, temperature=0)
     second = first + [{"role": "assistant", "content": reply.choices[0].message.content},
                       {"role": "user", "content": words(4, offset=1)}]
-    rendered = tokenizer.hf.apply_chat_template(second, tokenize=False, add_generation_prompt=True)
+    rendered = tokenizer.render_chat(second)
     (expected, _), = reference(engine, tokenizer, [tokenizer.encode(rendered)], [12])
     cached_before = server.metrics.cached_prompt_tokens
     answer = client.chat.completions.create(model=MODEL, messages=second, max_tokens=12, temperature=0)
