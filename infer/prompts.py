@@ -123,6 +123,25 @@ def load(name_or_path: str) -> list[str]:
         raise ValueError(f"{name_or_path}: every line must be a JSON object with a 'prompt' key ({error})") from None
 
 
+def conversations(name_or_path: str) -> list[list[str]]:
+    """A set's user turns per conversation: MT-bench's questions have two, a built-in set's prompts one,
+    a jsonl line its 'turns' (a list of strings) or else its 'prompt'."""
+    if name_or_path == "mt-bench":
+        return [list(turns) for _, turns in mt_bench_questions()]
+    if name_or_path in BUILT_IN or not Path(name_or_path).is_file():
+        return [[text] for text in load(name_or_path)]
+    out = []
+    with open(name_or_path) as f:
+        for number, line in enumerate(f, 1):
+            if line.strip():
+                record = json.loads(line)
+                turns = record.get("turns", [record.get("prompt")])
+                if not turns or not all(isinstance(t, str) for t in turns):
+                    raise ValueError(f"{name_or_path}:{number}: expected 'turns' (a list of strings) or 'prompt'")
+                out.append(list(turns))
+    return out
+
+
 def token_ids(tokenizer, name_or_path: str, count: int | None = None) -> list[list[int]]:
     """The first `count` prompts of a set (`load`), each in the tokenizer's chat template, as token ids."""
     return [tokenizer.encode(tokenizer.chat_prompt(text)) for text in load(name_or_path)[:count]]

@@ -199,6 +199,38 @@ def test_a_next_turn_keeps_what_its_slot_holds(engine, tokenizer, server, client
         server.url + "/metrics", trust_env=False).text
 
 
+def _turn(client, history: list[dict], question: str, max_tokens: int = 6) -> tuple[list[dict], int]:
+    """One more turn of a greedy chat: (the conversation with the question and its answer, cached tokens)."""
+    messages = history + [{"role": "user", "content": question}]
+    answer = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=max_tokens, temperature=0)
+    reply = {"role": "assistant", "content": answer.choices[0].message.content}
+    return messages + [reply], answer.usage.prompt_tokens_details.cached_tokens
+
+
+@pytest.mark.parametrize("half_life", [1e6, 0.0])
+def test_a_new_conversation_leaves_a_fresh_one_its_slot(engine, tokenizer, half_life):
+    """On 4 slots: a new conversation takes an empty slot, not the one whose cache shares the chat
+    template's opening with it; with every slot taken it overwrites the shortest conversation, and
+    the others' next turns keep their whole past. With a half-life of 0 conversations protect
+    nothing: a request takes the slot that keeps the most of it (the template's opening)."""
+    options = ServeOptions(model_name=MODEL, max_batch=SLOTS, steps_per_sync=3, reuse_half_life_s=half_life)
+    with ServerThread(create_app(engine, tokenizer, options)) as running:  # compiled already: same engine, same slots
+        client = client_for(running.url)
+        long, _ = _turn(client, [], words(30, offset=1))
+        second, _ = _turn(client, [], words(8, offset=2))
+        if half_life == 0:
+            assert _turn(client, long, words(3))[1] < len(chat_ids(tokenizer, long[0]["content"]))  # overwritten
+            return
+        long, cached = _turn(client, long, words(3))
+        assert cached >= len(chat_ids(tokenizer, long[0]["content"]))
+        short, _ = _turn(client, [], words(2, offset=3))
+        fourth, _ = _turn(client, [], words(12, offset=4))
+        _turn(client, [], words(9, offset=5))  # every slot holds a conversation: the shortest goes
+        for history in (long, second, fourth):  # each keeps at least its last prompt
+            assert _turn(client, history, words(2))[1] >= len(tokenizer.encode(tokenizer.render_chat(history[:-1])))
+        assert _turn(client, short, words(2))[1] < len(chat_ids(tokenizer, short[0]["content"]))
+
+
 def test_seeded_sampling_is_reproducible(engine, tokenizer, client):
     prompt = words(6, offset=1)
     params = dict(model=MODEL, prompt=prompt, max_tokens=30, temperature=1.0, top_p=0.95, seed=1234)
@@ -431,6 +463,25 @@ def test_loadtest_runs_on_a_tiny_model(tmp_path, capsys):
     printed = capsys.readouterr().out
     assert "TTFT ms p50/p90/p99" in printed and "greedy outputs identical across all configurations: yes" in printed
     assert out.exists()
+
+
+def test_loadtest_holds_conversations_with_and_without_reuse(tmp_path, capsys):
+    """Two-turn conversations, served with prefix reuse and without: the same replies; only with
+    reuse are prompt tokens found cached (the later turns keep their first turn)."""
+    from infer import loadtest
+
+    common = ["--tiny", "--methods", "ngram:3", "--concurrency", "2", "--min-tokens", "4", "--max-tokens", "12",
+              "--max-len", "128", "--schedules", "continuous", "--out", str(tmp_path / "loadtest.json")]
+    rows = loadtest.main(common + ["--turns", "2", "--requests", "8", "--prefix-reuse", "on,off"])
+    assert [r["reuse"] for r in rows] == ["on", "off"]
+    on, off = rows
+    assert on["requests"] == off["requests"] == 8 and on["later_ttft_ms"]["p50"] > 0
+    assert on["cached_share"] > 0.2 and off["cached_share"] == 0
+    assert "greedy outputs identical across all configurations: yes" in capsys.readouterr().out
+    with pytest.raises(ValueError, match="--turns 3: no conversation"):
+        loadtest.main(common + ["--turns", "3", "--requests", "6"])
+    with pytest.raises(SystemExit):
+        loadtest.main(common + ["--turns", "2", "--requests", "7"])
 
 
 @pytest.mark.slow
