@@ -22,11 +22,10 @@ A seeded request is admitted alone with its seed and samples exactly what
 `Engine.generate([prompt], sampling, seed=seed)` samples, whatever else is running (with a fixed
 draft length: an adaptive one picks one depth for the whole batch, so a sampled row's draws, though
 exact in distribution, depend on what runs beside it).
-Prefix reuse: a request goes to the free slot where it costs least: the prompt tokens its cache
-lacks, plus what it would overwrite there of a recently served conversation (weighed 1 just after
-it was served, halved every --reuse-half-life seconds idle), so a conversation's next turn finds
-the slot that served its last and a new one leaves it alone while it is fresh; only the rest of
-the prompt is prefilled
+Prefix reuse: a request goes to the least recently used free slot, unless another one's cache
+holds at least --reuse-min-gain more tokens of its prompt (then to the one that holds the most):
+a conversation's next turn finds the slot that served its last, and a new conversation leaves
+the freshest ones their slots. Only the rest of the prompt is prefilled
 (`Engine.admit(reuse_prefix=True)`; usage reports the kept tokens as
 `prompt_tokens_details.cached_tokens`). A seeded sampled request is prefilled afresh, so that it
 samples exactly what `generate` does; `--no-prefix-reuse` turns reuse off.
@@ -89,15 +88,15 @@ class ServeOptions:
     drain_timeout_s: float = 30.0
     warmup: bool = True  # compile every function at startup
     prefix_reuse: bool = True  # a request keeps what a free slot's cache holds of its prompt
-    # How long a served conversation keeps protecting its slot: what a new request would overwrite
-    # there counts fully just after it was served and half as much every this many seconds idle.
-    reuse_half_life_s: float = 60.0
+    # A request passes over the least recently used free slot for one that keeps more of its
+    # prompt only when it keeps at least this many tokens more there.
+    reuse_min_gain: int = 64
 
     def __post_init__(self):
         if self.max_batch < 1 or self.max_queue < 0 or self.steps_per_sync < 1 or self.default_max_tokens < 1:
             raise ValueError(f"invalid options {self}")
-        if not self.reuse_half_life_s >= 0:
-            raise ValueError(f"reuse_half_life_s must be >= 0, got {self.reuse_half_life_s}")
+        if self.reuse_min_gain < 0:
+            raise ValueError(f"reuse_min_gain must be >= 0, got {self.reuse_min_gain}")
         if self.schedule not in ("continuous", "static"):
             raise ValueError(f"schedule must be 'continuous' or 'static', got {self.schedule!r}")
 
@@ -364,8 +363,7 @@ class Scheduler:
         self.temperature, self.top_p = np.zeros(b, np.float32), np.ones(b, np.float32)
         self.top_k, self.min_p = np.zeros(b, np.int32), np.zeros(b, np.float32)
         self.sampling = self._sampling()
-        self.slot_tokens = np.zeros(b, np.int64)  # what each slot's cache holds of its last request
-        self.slot_used = np.full(b, -np.inf)  # when that request ended (perf_counter)
+        self.slot_used = np.full(b, -np.inf)  # when each slot's last request ended (perf_counter)
 
     def _sampling(self) -> SamplingParams:
         return SamplingParams(
@@ -477,24 +475,17 @@ class Scheduler:
 
     def _rows_for(self, group: list[GenRequest], reuse: bool) -> tuple[list[int], list[int]]:
         """Free slots for `group` and the prompt tokens each keeps. In order, each request takes the
-        free slot where it costs least: the prompt tokens it must prefill there, plus the tokens of
-        the slot's last conversation it overwrites (which that conversation's next turn would have
-        kept), weighed 1 just after that conversation was served and halved every
-        `reuse_half_life_s` idle. Ties go to the slot idle longest. So a new conversation takes an
-        empty slot, or else the one whose loss costs least, rather than one that shares the chat
-        template's opening with it; a conversation's next turn finds its own slot."""
-        free = [r for r, s in enumerate(self.slots) if s is None]
-        if not self.options.prefix_reuse:
-            return free[: len(group)], [0] * len(group)
-        half_life = self.options.reuse_half_life_s
-        idle = time.perf_counter() - self.slot_used  # [B], inf where never used
-        weight = np.exp2(-idle / half_life) if half_life > 0 else np.zeros(self.batch)  # [B]
+        least recently used free slot, unless another keeps at least `reuse_min_gain` tokens more
+        of its prompt: then the one that keeps the most (ties to the least recently used). So a
+        conversation's next turn finds the slot that served its last, and a new conversation, which
+        shares little more than the chat template's opening with any slot, leaves the freshest
+        conversations their slots."""
+        free = sorted((r for r, s in enumerate(self.slots) if s is None), key=lambda r: (self.slot_used[r], r))
         rows, kept = [], []
         for request in group:
-            # [B] what each slot keeps; a request that must be prefilled whole keeps nothing anywhere
-            keeps = self.engine.kept_prefixes(self.state, request.prompt_ids) if reuse else np.zeros(self.batch, np.int64)
-            cost = len(request.prompt_ids) - keeps + np.maximum(self.slot_tokens - keeps, 0) * weight  # [B]
-            row = min(free, key=lambda r: (cost[r], self.slot_used[r], r))
+            keeps = self.engine.kept_prefixes(self.state, request.prompt_ids) if reuse else np.zeros(self.batch, np.int64)  # [B]
+            best = max(free, key=lambda r: keeps[r])  # the first of the best: the least recently used
+            row = best if keeps[best] - keeps[free[0]] >= self.options.reuse_min_gain else free[0]
             free.remove(row)
             rows.append(row)
             kept.append(int(keeps[row]))
@@ -565,7 +556,6 @@ class Scheduler:
             row, request.row = request.row, None
             if self.slots[row] is request:
                 self.slots[row] = None
-                self.slot_tokens[row] = len(request.prompt_ids) + request.num_tokens
                 self.slot_used[row] = time.perf_counter()
                 self.state = self.state.replace(active=self.state.active.at[row].set(False))
 
@@ -991,8 +981,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     server.add_argument("--drain-timeout", type=common.NON_NEGATIVE, default=30.0, help="seconds running requests get on shutdown")
     server.add_argument("--no-prefix-reuse", dest="prefix_reuse", action="store_false",
                         help="prefill every prompt whole (default: keep what a free slot's cache holds of it)")
-    server.add_argument("--reuse-half-life", type=common.NON_NEGATIVE, default=60.0,
-                        help="seconds after which a served conversation protects its slot half as much (0: not at all)")
+    server.add_argument("--reuse-min-gain", type=common.NON_NEGATIVE_INT, default=64,
+                        help="tokens a free slot must keep beyond the least recently used one's to be chosen over it")
     server.add_argument("--served-model-name", default=None, help="the model id clients send (default: the model file's name)")
     args = parser.parse_args(_split_method(list(sys.argv[1:] if argv is None else argv)))
     args.spec = common.method_spec(args)
@@ -1020,7 +1010,7 @@ def main(argv: list[str] | None = None) -> None:
         model_name=args.served_model_name or name, max_batch=args.max_batch, max_queue=args.max_queue,
         steps_per_sync=args.steps_per_sync, default_max_tokens=args.default_max_tokens, schedule=args.schedule,
         drain_timeout_s=args.drain_timeout, prefix_reuse=args.prefix_reuse,
-        reuse_half_life_s=args.reuse_half_life,
+        reuse_min_gain=args.reuse_min_gain,
     )
     log.info("serving %s with %s, %d slots, %s batching, on http://%s:%d", options.model_name, args.spec.label,
              options.max_batch, options.schedule, args.host, args.port)

@@ -48,7 +48,9 @@ def tokenizer():
 
 @pytest.fixture(scope="module")
 def server(engine, tokenizer):
-    app = create_app(engine, tokenizer, ServeOptions(model_name=MODEL, max_batch=SLOTS, max_queue=64, steps_per_sync=3))
+    # Conversations of a few words: a slot is worth choosing over the least recently used for 8 more tokens.
+    options = ServeOptions(model_name=MODEL, max_batch=SLOTS, max_queue=64, steps_per_sync=3, reuse_min_gain=8)
+    app = create_app(engine, tokenizer, options)
     with ServerThread(app) as running:
         running.compiled = compile_counts(engine)  # after the warm-up at startup
         running.metrics = app.state.metrics
@@ -207,28 +209,30 @@ def _turn(client, history: list[dict], question: str, max_tokens: int = 6) -> tu
     return messages + [reply], answer.usage.prompt_tokens_details.cached_tokens
 
 
-@pytest.mark.parametrize("half_life", [1e6, 0.0])
-def test_a_new_conversation_leaves_a_fresh_one_its_slot(engine, tokenizer, half_life):
-    """On 4 slots: a new conversation takes an empty slot, not the one whose cache shares the chat
-    template's opening with it; with every slot taken it overwrites the shortest conversation, and
-    the others' next turns keep their whole past. With a half-life of 0 conversations protect
-    nothing: a request takes the slot that keeps the most of it (the template's opening)."""
-    options = ServeOptions(model_name=MODEL, max_batch=SLOTS, steps_per_sync=3, reuse_half_life_s=half_life)
+@pytest.mark.parametrize("min_gain", [8, 0])
+def test_a_new_conversation_leaves_the_freshest_their_slots(engine, tokenizer, min_gain):
+    """On 4 slots: a new conversation, which shares only the chat template's opening with any slot,
+    takes the least recently used free slot (an empty one first), and a next turn the slot that
+    served its last; with every slot taken the least recently served conversation goes, and the
+    others' next turns keep their whole past. With a minimum gain of 0 a request takes the slot
+    that keeps the most of it, the template's opening included."""
+    options = ServeOptions(model_name=MODEL, max_batch=SLOTS, steps_per_sync=3, reuse_min_gain=min_gain)
     with ServerThread(create_app(engine, tokenizer, options)) as running:  # compiled already: same engine, same slots
         client = client_for(running.url)
+        first_prompt = lambda history: len(chat_ids(tokenizer, history[0]["content"]))
         long, _ = _turn(client, [], words(30, offset=1))
-        second, _ = _turn(client, [], words(8, offset=2))
-        if half_life == 0:
-            assert _turn(client, long, words(3))[1] < len(chat_ids(tokenizer, long[0]["content"]))  # overwritten
+        oldest, _ = _turn(client, [], words(8, offset=2))
+        if min_gain == 0:
+            assert _turn(client, long, words(3))[1] < first_prompt(long)  # the second took its slot
             return
         long, cached = _turn(client, long, words(3))
-        assert cached >= len(chat_ids(tokenizer, long[0]["content"]))
-        short, _ = _turn(client, [], words(2, offset=3))
+        assert cached >= first_prompt(long)
+        third, _ = _turn(client, [], words(2, offset=3))
         fourth, _ = _turn(client, [], words(12, offset=4))
-        _turn(client, [], words(9, offset=5))  # every slot holds a conversation: the shortest goes
-        for history in (long, second, fourth):  # each keeps at least its last prompt
+        _turn(client, [], words(9, offset=5))  # every slot holds a conversation: the least recently served goes
+        for history in (long, third, fourth):  # each keeps at least its last prompt
             assert _turn(client, history, words(2))[1] >= len(tokenizer.encode(tokenizer.render_chat(history[:-1])))
-        assert _turn(client, short, words(2))[1] < len(chat_ids(tokenizer, short[0]["content"]))
+        assert _turn(client, oldest, words(2))[1] < first_prompt(oldest)
 
 
 def test_seeded_sampling_is_reproducible(engine, tokenizer, client):
