@@ -787,6 +787,13 @@ class Engine:
                 self.admit(state, [0], [prompt], 1, reuse_prefix=True)
         return time.perf_counter() - start
 
+    def warmup_prompts(self, prompts: list[list[int]], sampling: sampling_lib.SamplingParams | None = None) -> float:
+        """Compile only what `generate(prompts, sampling)` runs (the prefill widths these prompts
+        use, the decode step), for a one-shot run; returns the seconds it took."""
+        start = time.perf_counter()
+        self.generate(prompts, sampling, max_new_tokens=1)  # a prompt may fill the cache but for one token
+        return time.perf_counter() - start
+
     def outputs(self, state: DecodeState) -> list[list[int]]:
         """Every row's generated tokens so far (at most its max_new_tokens, cut after an EOS)."""
         history = np.array(state.history)  # a copy: the state's buffers are donated to the next call

@@ -146,6 +146,29 @@ def test_gguf_corrupt_array_length_is_named_without_reading_the_file_item_by_ite
     assert time.perf_counter() - start < 5
 
 
+def test_gguf_string_arrays_read_as_ggufs_own_reader_reads_them(model, tmp_path):
+    """The quick path for arrays of strings gives every field the stock reader's parts, indices,
+    types and contents; a string whose bytes run past the end of the file is named."""
+    path = tmp_path / "tokens.gguf"
+    tokens = [f"t{i}" * (i % 5) for i in range(96)] + ["é", "<|im_end|>"]  # empty, repeated, multi-byte
+    write_gguf(model, path, tokens=tokens)
+    ours, stock = gguf_loader.open_gguf(path), GGUFReader(path)
+    assert list(ours.fields) == list(stock.fields)
+    for name, field in stock.fields.items():
+        mine = ours.fields[name]
+        assert (mine.offset, mine.types, mine.data) == (field.offset, field.types, field.data), name
+        assert [(p.dtype, p.tolist()) for p in mine.parts] == [(p.dtype, p.tolist()) for p in field.parts], name
+    assert ours.fields["tokenizer.ggml.tokens"].contents() == tokens
+    field = stock.fields["tokenizer.ggml.tokens"]
+    last = field.parts[field.data[-1]]  # the last token's bytes: make its length run past the file
+    length_at = field.offset + sum(int(p.nbytes) for p in field.parts) - last.nbytes - 8
+    data = bytearray(path.read_bytes())
+    data[length_at : length_at + 8] = struct.pack("<Q", len(data))
+    path.write_bytes(bytes(data))
+    with raises_named(path, "truncated or corrupt GGUF: the header needs bytes up to"):
+        load_model(path)
+
+
 def test_gguf_without_tokenizer_metadata_is_named(good_gguf):
     with raises_named(good_gguf, "no tokenizer in its GGUF metadata"):
         tokenizer.load(good_gguf)

@@ -142,6 +142,21 @@ def test_new_prompts_do_not_recompile():
     assert [f._cache_size() for f in jitted] == [2, 8, 1, 2]
 
 
+def test_a_one_shot_warmup_compiles_what_its_prompts_need():
+    """`warmup_prompts` compiles the prefill widths the prompts use and the decode loop, nothing
+    else: the run after it compiles nothing and returns what an engine warmed up whole does."""
+    engine = Engine(CONFIG, PARAMS, DRAFTERS["eagle3-chain"], max_len=MAX_LEN)
+    jitted = (engine._fresh_jit, engine._prefill_jit, engine._place_jit, engine._decode_jit)
+    prompts = [(p * 30)[:length] for p, length in zip(PROMPTS, (20, 25, 30, 40))]  # one 64-wide window
+    sampling = SamplingParams.make(4, temperature=0.7)
+    assert engine.warmup_prompts(prompts, sampling) > 0
+    sizes = [f._cache_size() for f in jitted]
+    assert sizes == [1, 1, 0, 1]
+    run = engine.generate(prompts, sampling, max_new_tokens=20, seed=3)
+    assert [f._cache_size() for f in jitted] == sizes
+    assert run.tokens == engine_for("eagle3-chain").generate(prompts, sampling, max_new_tokens=20, seed=3).tokens
+
+
 def test_prefill_windows_end_in_the_narrowest_width_that_holds_the_rest():
     engine = engine_for(None)
     assert engine._prefill_windows(9) == [(0, 16)]

@@ -12,6 +12,7 @@ NaN or inf once dequantized (`assemble_params` checks every weight) are all name
 
 from __future__ import annotations
 
+import struct
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
@@ -73,7 +74,29 @@ class _CheckedReader(GGUFReader):
             smallest = np.dtype(scalar).itemsize if scalar is not None else 8  # strings, arrays: >= 8 bytes
             if length * smallest > len(self.data) - orig_offs - 12:
                 raise _Truncated(f"a metadata array of {length} items runs past the end of the file ({len(self.data)} bytes)")
+            if item_type == GGUFValueType.STRING and self.byte_order == "I":
+                return self._string_array_parts(orig_offs, length)
         return super()._get_field_parts(orig_offs, raw_type)
+
+    def _string_array_parts(self, orig_offs: int, length: int):
+        """An array of strings (a tokenizer's vocabulary and merges: ~100k items) read as the stock
+        reader reads it, the same parts and indices, but without its per-item overhead (~9 s -> ~0.3 s)."""
+        data = np.asarray(self.data)  # a plain view: slicing the memory map itself costs more per item
+        size = len(data)
+        parts = [self._get(orig_offs, np.uint32), self._get(orig_offs + 4, np.uint64)]
+        indices = []
+        offs = orig_offs + 12
+        for _ in range(length):
+            if offs + 8 > size:
+                raise _Truncated(f"the header needs bytes up to {offs + 8}, the file has {size}")
+            (count,) = struct.unpack_from("<Q", data, offs)
+            if offs + 8 + count > size:
+                raise _Truncated(f"the header needs bytes up to {offs + 8 + count}, the file has {size}")
+            parts += [data[offs : offs + 8].view(np.uint64), data[offs + 8 : offs + 8 + count]]
+            indices.append(len(parts) - 1)
+            offs += 8 + count
+        types = [GGUFValueType.ARRAY] + ([GGUFValueType.STRING] if length else [])
+        return offs - orig_offs, parts, indices, types
 
     def _build_tensors(self, start_offs, fields):
         for field in fields:
