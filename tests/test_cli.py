@@ -14,6 +14,29 @@ from specjax.drafters.registry import MethodSpec
 PROMPT = "Repeat exactly: alpha beta gamma delta, alpha beta gamma delta."
 
 
+@pytest.fixture(scope="module", autouse=True)
+def read_each_checkpoint_once():
+    """The commands here load the same embedded SmolLM2 again and again: each file (and dtype) is
+    read once per module, its first command reading it for real (loading has its own tests)."""
+    models, tokenizers = {}, {}
+    load_model, load_tokenizer = common.checkpoints.load_model, common.tokenizer_lib.load
+
+    def model_once(path, *dtype):
+        if (str(path), *dtype) not in models:
+            models[str(path), *dtype] = load_model(path, *dtype)
+        return models[str(path), *dtype]
+
+    def tokenizer_once(path):
+        if str(path) not in tokenizers:
+            tokenizers[str(path)] = load_tokenizer(path)
+        return tokenizers[str(path)]
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(common.checkpoints, "load_model", model_once)
+        patch.setattr(common.tokenizer_lib, "load", tokenizer_once)
+        yield
+
+
 def run_generate(capsys, *argv: str) -> str:
     generate.main(list(argv))
     return capsys.readouterr().out
