@@ -115,11 +115,8 @@ def load(name_or_path: str) -> list[str]:
     if name_or_path in BUILT_IN:
         return list(BUILT_IN[name_or_path])
     try:
-        with open(name_or_path) as f:
-            return [json.loads(line)["prompt"] for line in f if line.strip()]
-    except FileNotFoundError:
-        raise ValueError(f"prompt set {name_or_path!r} is neither built in ({', '.join(BUILT_IN)}, mt-bench) nor a file") from None
-    except (KeyError, json.JSONDecodeError) as error:
+        return [record["prompt"] for _, record in _jsonl_records(name_or_path)]
+    except KeyError as error:
         raise ValueError(f"{name_or_path}: every line must be a JSON object with a 'prompt' key ({error})") from None
 
 
@@ -128,18 +125,29 @@ def conversations(name_or_path: str) -> list[list[str]]:
     a jsonl line its 'turns' (a list of strings) or else its 'prompt'."""
     if name_or_path == "mt-bench":
         return [list(turns) for _, turns in mt_bench_questions()]
-    if name_or_path in BUILT_IN or not Path(name_or_path).is_file():
-        return [[text] for text in load(name_or_path)]
+    if name_or_path in BUILT_IN:
+        return [[text] for text in BUILT_IN[name_or_path]]
     out = []
-    with open(name_or_path) as f:
-        for number, line in enumerate(f, 1):
-            if line.strip():
-                record = json.loads(line)
-                turns = record.get("turns", [record.get("prompt")])
-                if not turns or not all(isinstance(t, str) for t in turns):
-                    raise ValueError(f"{name_or_path}:{number}: expected 'turns' (a list of strings) or 'prompt'")
-                out.append(list(turns))
+    for number, record in _jsonl_records(name_or_path):
+        turns = record.get("turns", [record.get("prompt")])
+        if not turns or not all(isinstance(t, str) for t in turns):
+            raise ValueError(f"{name_or_path}:{number}: expected 'turns' (a list of strings) or 'prompt'")
+        out.append(list(turns))
     return out
+
+
+def _jsonl_records(path: str) -> list[tuple[int, dict]]:
+    """(line number, JSON object) for every non-blank line of a prompt file."""
+    try:
+        with open(path) as f:
+            records = [(number, json.loads(line)) for number, line in enumerate(f, 1) if line.strip()]
+    except FileNotFoundError:
+        raise ValueError(f"prompt set {path!r} is neither built in ({', '.join(BUILT_IN)}, mt-bench) nor a file") from None
+    except json.JSONDecodeError as error:
+        raise ValueError(f"{path}: every line must be a JSON object with a 'prompt' key ({error})") from None
+    if not all(isinstance(record, dict) for _, record in records):
+        raise ValueError(f"{path}: every line must be a JSON object with a 'prompt' key")
+    return records
 
 
 def token_ids(tokenizer, name_or_path: str, count: int | None = None) -> list[list[int]]:
