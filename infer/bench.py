@@ -13,6 +13,8 @@ plain-decoding engine built like the first (`ar (control)`): its speedup over ar
 identical engines differ by in this run, the resolution of every other speedup.
 --compare-draft NAME=PATH benches every method that drafts with a draft a second time on PATH,
 labelled METHOD@NAME: two drafts of one method side by side (e.g. a new EAGLE-3 head and the shipped one).
+--matmuls xla,streamed runs every method in each matmul mode (docs/architecture.md, "Streamed block
+matmuls"), labelled "METHOD [streamed]" after the first mode, which stays the baseline.
 With --prompts mt-bench, also per MT-bench category: tau, acceptance by position, and the speedup
 where every batch holds one category (batch size 1).
 """
@@ -36,7 +38,7 @@ from specjax.engine import Engine, Stats, acceptance_by_position, tokens_per_cal
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = common.parser("python -m infer.bench", __doc__)
-    common.add_model_args(parser)
+    common.add_model_args(parser, matmuls="several")
     parser.add_argument("--methods", default="ar,ngram:5,eagle3:5", help="methods to compare, e.g. ar,ngram:5,eagle3:5,eagle3:4,4,16 (ar is always included)")
     parser.add_argument("--batch-size", type=common.positive_ints, default=[1, 4], help="batch sizes, e.g. 1,4")
     parser.add_argument("--prompts", default="code", help="built-in set (chat, code) or a jsonl file")
@@ -71,15 +73,20 @@ def compare_drafts(values: list[str], specs: list[MethodSpec]) -> dict[str, str]
     return drafts
 
 
-def engine_plan(args: argparse.Namespace) -> dict[str, tuple[MethodSpec, str | None]]:
-    """{label: (spec, draft path or None for --draft's)}: the methods, each drafting one again on every
-    --compare-draft (METHOD@NAME, right after it), and the control last."""
+def engine_plan(args: argparse.Namespace) -> dict[str, tuple[MethodSpec, str | None, str]]:
+    """{label: (spec, draft path or None for --draft's, matmul mode)}: the methods, each drafting one
+    again on every --compare-draft (METHOD@NAME, right after it), the control, then all of that again
+    in every further --matmuls mode ("LABEL [MODE]")."""
     plan: dict[str, tuple[MethodSpec, str | None]] = {}
     for spec in args.method_specs:
         plan[spec.label] = spec, None
         if spec.info.draft:
             plan |= {f"{spec.label}@{name}": (spec, path) for name, path in args.compare_drafts.items()}
-    return plan | ({CONTROL: (MethodSpec("ar"), None)} if args.control else {})
+    plan |= {CONTROL: (MethodSpec("ar"), None)} if args.control else {}
+    baseline, *others = args.matmuls
+    return {label: (*entry, baseline) for label, entry in plan.items()} | {
+        f"{label} [{mode}]": (*entry, mode) for mode in others for label, entry in plan.items()
+    }
 
 
 #: The label of --control's engine: plain decoding again, built and timed like `ar`.
@@ -275,8 +282,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     categories = prompt_sets.categories(args.prompts)
     engines = {
         label: Engine(config, params, common.build_drafter(spec, args, config, params, draft),
-                      max_len=args.max_len, eos_ids=tokenizer.eos_token_ids)
-        for label, (spec, draft) in engine_plan(args).items()
+                      max_len=args.max_len, eos_ids=tokenizer.eos_token_ids, matmuls=matmuls)
+        for label, (spec, draft, matmuls) in engine_plan(args).items()
     }
     results = []
     for batch_size in tqdm(args.batch_size, desc="bench", unit="batch size"):

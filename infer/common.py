@@ -20,6 +20,7 @@ from specjax.drafters.base import TREE
 from specjax.drafters.lookahead import SHAPE as LOOKAHEAD
 from specjax.drafters.registry import METHODS, MethodSpec, parse_shape
 from specjax.engine import Stats
+from specjax.models import block_matmul
 from specjax.models.config import ModelConfig
 from specjax.sampling import SamplingParams
 from specjax.tokenizer import Tokenizer
@@ -62,7 +63,20 @@ def parser(prog: str, doc: str) -> argparse.ArgumentParser:
     )
 
 
-def add_model_args(parser: argparse.ArgumentParser) -> None:
+def matmul_modes(text: str) -> list[str]:
+    """'xla,streamed' -> ['xla', 'streamed']: `block_matmul` modes, each once."""
+    modes = text.split(",")
+    for mode in modes:
+        if mode not in block_matmul.MODES:
+            raise argparse.ArgumentTypeError(f"{mode!r} is not a matmul mode ({', '.join(block_matmul.MODES)})")
+    if len(set(modes)) < len(modes):
+        raise argparse.ArgumentTypeError(f"{text!r} names a mode twice")
+    return modes
+
+
+def add_model_args(parser: argparse.ArgumentParser, matmuls: str | None = None) -> None:
+    """--model, --dtype, --max-len, --draft; --matmuls for a command that builds engines with it:
+    matmuls="one" (a mode) or "several" (a comma-separated list of modes to compare)."""
     model = parser.add_argument_group("model")
     model.add_argument("--model", default=None, help="HF directory or .gguf file (default: embedded SmolLM2-135M-Instruct)")
     model.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
@@ -71,6 +85,13 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
                        help="what a method drafts with: a draft model (HF dir / .gguf), or an EAGLE-3, EAGLE-1 or "
                        "Medusa draft directory (default: the shipped one); METHOD=PATH gives it to one method "
                        "(repeatable, e.g. --draft draft=runs/lm --draft eagle3=runs/e3)")
+    matmul_help = ("how the target's weight matmuls run: xla, or streamed (XLA:CPU, float32: blocks of 2..8 rows "
+                   "through kernels that read each weight once, built with g++ on first use; docs/architecture.md)")
+    if matmuls == "several":
+        model.add_argument("--matmuls", type=matmul_modes, default=["xla"], help=matmul_help + "; a comma-separated "
+                           "list runs every method in each mode, the first one the baseline")
+    elif matmuls == "one":
+        model.add_argument("--matmuls", choices=block_matmul.MODES, default="xla", help=matmul_help)
 
 
 def add_method_args(parser: argparse.ArgumentParser) -> None:

@@ -25,7 +25,7 @@ from specjax.tokenizer import Tokenizer
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = common.parser("python -m infer.generate", __doc__)
-    common.add_model_args(parser)
+    common.add_model_args(parser, matmuls="one")
     common.add_method_args(parser)
     source = parser.add_argument_group("prompts")
     source.add_argument("--prompt", action="append", default=[], help="a prompt; repeat for a batch")
@@ -80,12 +80,12 @@ def main(argv: list[str] | None = None) -> None:
     config, params, tokenizer = common.load_target(args)
     drafter = common.build_drafter(spec, args, config, params)
     if args.chat:
-        engine = Engine(config, params, drafter, max_len=args.max_len, eos_ids=tokenizer.eos_token_ids)
+        engine = Engine(config, params, drafter, max_len=args.max_len, eos_ids=tokenizer.eos_token_ids, matmuls=args.matmuls)
         chat(engine, tokenizer, args, sampling)
         return
     prompts = texts if args.raw else [tokenizer.chat_prompt(text, system=args.system) for text in texts]
     token_ids = [tokenizer.encode(p) for p in prompts]
-    engine = Engine(config, params, drafter, max_len=args.max_len, eos_ids=tokenizer.eos_token_ids)
+    engine = Engine(config, params, drafter, max_len=args.max_len, eos_ids=tokenizer.eos_token_ids, matmuls=args.matmuls)
     engine.validate(token_ids, sampling, args.max_new_tokens)  # fail before compiling
     compile_s = engine.warmup_prompts(token_ids, sampling)  # only what this run uses: a quicker start
 

@@ -43,7 +43,7 @@ from infer import prompts as prompt_sets
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = common.parser("python -m infer.loadtest", __doc__)
-    common.add_model_args(parser)
+    common.add_model_args(parser, matmuls="one")
     load = parser.add_argument_group("load")
     load.add_argument("--methods", default=None, help="methods to serve in turn (default: ar,eagle3:3; with --tiny ar,ngram:3)")
     load.add_argument("--concurrency", type=common.positive_ints, default=[1, 4, 16], help="closed-loop clients, e.g. 1,4,16")
@@ -263,7 +263,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
         if need + drafter.num_nodes > args.max_len:
             raise ValueError(f"--max-len {args.max_len} is too small: the longest conversation and --max-tokens need "
                              f"{need + drafter.num_nodes}")
-        engine = Engine(config, params, drafter, max_len=args.max_len, eos_ids=tokenizer.eos_token_ids)
+        engine = Engine(config, params, drafter, max_len=args.max_len, eos_ids=tokenizer.eos_token_ids, matmuls=args.matmuls)
         for concurrency in args.concurrency:
             slots = args.max_batch or concurrency
             for schedule in args.schedule_list:

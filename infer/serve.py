@@ -967,7 +967,7 @@ def _split_method(argv: list[str]) -> list[str]:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = common.parser("python -m infer.serve", __doc__)
-    common.add_model_args(parser)
+    common.add_model_args(parser, matmuls="one")
     common.add_method_args(parser)
     server = parser.add_argument_group("server")
     server.add_argument("--host", default="127.0.0.1")
@@ -992,7 +992,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def build_engine(args: argparse.Namespace) -> tuple[Engine, Tokenizer, str]:
     config, params, tokenizer = common.load_target(args)
     drafter = common.build_drafter(args.spec, args, config, params)
-    engine = Engine(config, params, drafter, max_len=args.max_len, eos_ids=tokenizer.eos_token_ids)
+    engine = Engine(config, params, drafter, max_len=args.max_len, eos_ids=tokenizer.eos_token_ids, matmuls=args.matmuls)
     from specjax import checkpoints
 
     path = Path(args.model or checkpoints.default_model_path())

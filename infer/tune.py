@@ -148,8 +148,8 @@ def measured_from_bench(path: str) -> dict:
     results = json.loads(Path(path).read_text())["results"]
     measured: dict = {"verify": {1: 1.0}}
     for r in results:
-        if r["method"] == CONTROL or "@" in r["method"]:  # plain decoding again; a method on another draft
-            continue
+        if r["method"] == CONTROL or "@" in r["method"] or " [" in r["method"]:
+            continue  # plain decoding again; a method on another draft; in another --matmuls mode than the baseline
         spec = MethodSpec.parse(r["method"])
         if spec.method == "ar" or spec.adaptive:  # adaptive rows mix depths and draft where acceptance runs high
             continue
@@ -197,7 +197,7 @@ def measure(args, ranked: list[Candidate]) -> list[tuple[MethodSpec, float]]:
     batches = [token_ids[i : i + args.batch_size] for i in range(0, len(token_ids) - args.batch_size + 1, args.batch_size)]
     engines = {
         spec: Engine(config, params, common.build_drafter(spec, args, config, params),
-                     max_len=args.max_len, eos_ids=tokenizer.eos_token_ids)
+                     max_len=args.max_len, eos_ids=tokenizer.eos_token_ids, matmuls=args.matmuls)
         for spec in sweep_specs(args, ranked)
     }
     sampling = common.sampling_params(args, args.batch_size)
@@ -257,7 +257,7 @@ def cli_flags(spec: MethodSpec) -> str:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = common.parser("python -m infer.tune", __doc__)
-    common.add_model_args(parser)
+    common.add_model_args(parser, matmuls="one")
     tunable = [m.name for m in METHODS.values() if m.priors]
     parser.add_argument("--methods", default="eagle3,eagle3+ngram,ngram", help=f"methods to consider, from {', '.join(tunable)}")
     parser.add_argument("--task", choices=TASKS, default="chat")

@@ -31,9 +31,9 @@ def scan_forward(params, config, tokens, positions, cache, block_mask, *, taps, 
 
     def layer_step(x, inputs):
         w, layer = inputs
-        attn_out, k, v = llama._attention_block(config, w, x, layer, positions, inv_freq, cache, block_mask, chunk_size)
+        attn_out, k, v = llama._attention_block(config, w, x, layer, positions, inv_freq, cache, block_mask, chunk_size, "xla")
         y = x + attn_out
-        return y + llama._mlp_block(config, w, y), (k, v, x)
+        return y + llama._mlp_block(config, w, y, "xla"), (k, v, x)
 
     layers = (params["layers"], jnp.arange(config.num_layers))
     hidden, (k, v, layer_inputs) = lax.scan(layer_step, llama.embed(params, tokens), layers)

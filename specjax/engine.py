@@ -35,7 +35,7 @@ from specjax import verify
 from specjax.drafters import adaptive
 from specjax.drafters.autoregressive import Autoregressive
 from specjax.drafters.base import Commit, Drafter, PrefillChunk, Proposal, StepContext, zeros_like_result
-from specjax.models import llama
+from specjax.models import block_matmul, llama
 from specjax.models.config import ModelConfig
 
 
@@ -142,7 +142,11 @@ class Stats:
 
 
 class Engine:
-    """Generation for one target model and one drafter (default: plain autoregressive)."""
+    """Generation for one target model and one drafter (default: plain autoregressive).
+
+    matmuls: how the target's weight matmuls run (`models.block_matmul`): "xla", or "streamed"
+    (on XLA:CPU, verification blocks of 2..8 rows through kernels that read each weight once).
+    """
 
     def __init__(
         self,
@@ -154,6 +158,7 @@ class Engine:
         prefill_chunk: int = 128,
         attention_chunk: int = 256,
         eos_ids: tuple[int, ...] | None = None,
+        matmuls: str = "xla",
     ):
         _warn_if_short_of_memory_maps()  # before this engine compiles anything
         self.drafter = drafter or Autoregressive()
@@ -167,6 +172,8 @@ class Engine:
         if max_len % self.attention_chunk:
             raise ValueError(f"max_len {max_len} must be a multiple of the attention chunk {self.attention_chunk}")
         self.eos_ids = tuple(config.eos_token_ids if eos_ids is None else eos_ids)
+        block_matmul.check(matmuls, params)
+        self.matmuls = matmuls
         self.num_nodes, self.max_depth = self.drafter.num_nodes, self.drafter.max_depth
         self.drafter_params = self.drafter.params
         self._depth_costs: dict[int, jax.Array] = {}  # per batch size, for `decode`
@@ -182,7 +189,8 @@ class Engine:
 
     def _target(self, params, tokens, positions, cache, block_mask):
         return llama.forward(
-            params, self.config, tokens, positions, cache, block_mask, taps=self.drafter.taps, chunk_size=self.attention_chunk
+            params, self.config, tokens, positions, cache, block_mask,
+            taps=self.drafter.taps, chunk_size=self.attention_chunk, matmuls=self.matmuls,
         )
 
     def _find_row_axes(self) -> list[int | None]:

@@ -53,7 +53,8 @@ def test_generate_speculative_text_equals_autoregressive(capsys):
     assert "tau" in ngram and "acceptance by position" in ngram
     streamed = run_generate(capsys, "--method", "ngram", "--num-spec", "4", *common[:-1])
     assert streamed.startswith(text(plain))
-    ngram_first = run_generate(capsys, "--method", "eagle3+ngram", "--num-spec", "3", *common)  # the shipped draft
+    # The shipped draft, its 4-token verification blocks through the streamed matmul kernels.
+    ngram_first = run_generate(capsys, "--method", "eagle3+ngram", "--num-spec", "3", "--matmuls", "streamed", *common)
     assert text(ngram_first) == text(plain) and "tau" in ngram_first
     for tree in ([], ["--tree", "3,2,5"]):  # the shipped Medusa heads, a chain and a static tree
         heads = run_generate(capsys, "--method", "medusa", *tree, *common)
@@ -255,7 +256,7 @@ def test_compare_draft_benches_each_drafting_method_again_on_another_draft():
     plan = bench.engine_plan(args)
     assert list(plan) == ["ar", "ngram:3", "eagle3:3", "eagle3:3@old", "eagle3:3@older", "eagle3+ngram:3",
                           "eagle3+ngram:3@old", "eagle3+ngram:3@older", bench.CONTROL]
-    assert plan["eagle3:3"] == (MethodSpec("eagle3", 3), None) and plan["eagle3+ngram:3@older"][1] == "c"
+    assert plan["eagle3:3"] == (MethodSpec("eagle3", 3), None, "xla") and plan["eagle3+ngram:3@older"][1] == "c"
     for argv, message in (
         (["--compare-draft", "a/b"], "give NAME=PATH"),
         (["--compare-draft", "old="], "give NAME=PATH"),
@@ -265,6 +266,20 @@ def test_compare_draft_benches_each_drafting_method_again_on_another_draft():
             bench.parse_args(["--methods", "eagle3:3", *argv])
     with pytest.raises(ValueError, match="--compare-draft is not used by ar, ngram:3"):
         bench.parse_args(["--methods", "ngram:3", "--compare-draft", "x=a"])
+
+
+def test_bench_runs_every_method_in_each_matmul_mode_the_first_the_baseline(capsys):
+    plan = bench.engine_plan(bench.parse_args(["--methods", "ngram:3", "--matmuls", "xla,streamed", "--control"]))
+    assert list(plan) == ["ar", "ngram:3", bench.CONTROL, "ar [streamed]", "ngram:3 [streamed]", f"{bench.CONTROL} [streamed]"]
+    assert [entry[2] for entry in plan.values()] == ["xla"] * 3 + ["streamed"] * 3
+    assert {entry[2] for entry in bench.engine_plan(bench.parse_args(["--matmuls", "streamed"])).values()} == {"streamed"}
+    for argv, message in ((["--matmuls", "xla,fast"], "'fast' is not a matmul mode"), (["--matmuls", "xla,xla"], "names a mode twice")):
+        with pytest.raises(SystemExit):
+            bench.parse_args(argv)
+        assert message in capsys.readouterr().err
+    with pytest.raises(SystemExit):  # one engine, one mode
+        generate.parse_args(["--matmuls", "xla,streamed"])
+    assert generate.parse_args(["--matmuls", "streamed"]).matmuls == "streamed"
 
 
 def test_bench_speedup_is_the_median_of_ratios_within_a_round():

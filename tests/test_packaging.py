@@ -1,4 +1,4 @@
-"""A non-editable install carries the shipped EAGLE-3 draft: `pip install .` into a fresh venv, then --method eagle3 elsewhere."""
+"""A non-editable install carries the shipped EAGLE-3 draft and the streamed matmuls' kernel source: `pip install .` into a fresh venv, then --method eagle3 --matmuls streamed elsewhere."""
 
 import os
 import shutil
@@ -22,7 +22,7 @@ def test_installed_package_runs_eagle3_outside_the_source_tree(tmp_path):
     # and the SmolLM2 wheel; specjax itself comes from the build.
     subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", "--without-pip", tmp_path / "venv"], check=True)
     python = tmp_path / "venv" / "bin" / "python"
-    env = {key: value for key, value in os.environ.items() if key != "PYTHONPATH"}
+    env = {key: value for key, value in os.environ.items() if key != "PYTHONPATH"} | {"SPECJAX_CACHE": str(tmp_path / "cache")}
     run = lambda *args: subprocess.run(
         args, cwd=tmp_path, env=env, stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=600
     )
@@ -32,6 +32,7 @@ def test_installed_package_runs_eagle3_outside_the_source_tree(tmp_path):
     where = run(python, "-c", "import infer; from specjax.drafters.eagle3 import default_draft_path as d; print(infer.__file__, d())")
     assert where.returncode == 0, where.stderr[-3000:]
     assert all(path.startswith(str(tmp_path / "venv")) for path in where.stdout.split()), where.stdout
-    generate = run(python, "-m", "infer.generate", "--method", "eagle3", "--max-new-tokens", "4", "--prompt", "hi")
+    generate = run(python, "-m", "infer.generate", "--method", "eagle3", "--matmuls", "streamed", "--max-new-tokens", "4", "--prompt", "hi")
     assert generate.returncode == 0, generate.stderr[-3000:]
     assert "tau" in generate.stdout + generate.stderr
+    assert len(list((tmp_path / "cache").glob("block_matmul-*.so"))) == 1  # the kernels' source shipped and built

@@ -30,6 +30,7 @@ from flax import struct
 from jax import lax
 
 from specjax.kv_cache import KVCache
+from specjax.models import block_matmul
 from specjax.models.attention import attention
 from specjax.models.config import ModelConfig
 
@@ -153,21 +154,22 @@ def output_head(params: Params, config: ModelConfig) -> jax.Array:
     return params["embed_tokens"].T if config.tie_word_embeddings else params["lm_head"]
 
 
-def project_logits(params: Params, config: ModelConfig, normed: jax.Array) -> jax.Array:
-    """Output projection alone: final-normed hidden [B, T, H] -> float32 logits [B, T, V]."""
+def project_logits(params: Params, config: ModelConfig, normed: jax.Array, matmuls: str = "xla") -> jax.Array:
+    """Output projection alone: final-normed hidden [B, T, H] -> float32 logits [B, T, V].
+    matmuls: a `block_matmul` mode."""
     if config.tie_word_embeddings:
-        return jnp.einsum("bth,vh->btv", normed, params["embed_tokens"], preferred_element_type=jnp.float32)
-    return jnp.einsum("bth,hv->btv", normed, params["lm_head"], preferred_element_type=jnp.float32)
+        return block_matmul.tied_head(normed, params["embed_tokens"], matmuls)
+    return block_matmul.head(normed, params["lm_head"], matmuls)
 
 
-def _attention_block(config, w, x, layer, positions, inv_freq, cache, block_mask, chunk_size):
+def _attention_block(config, w, x, layer, positions, inv_freq, cache, block_mask, chunk_size, matmuls):
     """Pre-norm self-attention of one layer. x: [B, T, H] -> ([B, T, H], k [B, T, Hkv, D], v)."""
     c = config
     batch, num_new, _ = x.shape
     h = rms_norm(x, w["input_layernorm"], c.rms_norm_eps)
-    q = h @ w["q_proj"]  # [B, T, Hq*D]
-    k = h @ w["k_proj"]  # [B, T, Hkv*D]
-    v = h @ w["v_proj"]  # [B, T, Hkv*D]
+    q = block_matmul.dense(h, w["q_proj"], matmuls)  # [B, T, Hq*D]
+    k = block_matmul.dense(h, w["k_proj"], matmuls)  # [B, T, Hkv*D]
+    v = block_matmul.dense(h, w["v_proj"], matmuls)  # [B, T, Hkv*D]
     if c.attention_bias:
         q, k, v = q + w["q_bias"], k + w["k_bias"], v + w["v_bias"]
     q = q.reshape(batch, num_new, c.num_heads, c.head_dim)
@@ -181,14 +183,15 @@ def _attention_block(config, w, x, layer, positions, inv_freq, cache, block_mask
     q = q.reshape(batch, num_new, c.num_kv_heads, c.num_groups, c.head_dim)  # [B, T, Hkv, G, D]
     k_cache, v_cache, lengths = (None, None, None) if cache is None else (cache.k, cache.v, cache.lengths)
     out = attention(q, k, v, k_cache, v_cache, layer, lengths, block_mask, chunk_size)  # [B, T, Hkv, G, D]
-    out = out.reshape(batch, num_new, c.num_heads * c.head_dim) @ w["o_proj"]  # [B, T, H]
+    out = block_matmul.dense(out.reshape(batch, num_new, c.num_heads * c.head_dim), w["o_proj"], matmuls)  # [B, T, H]
     return out, k, v
 
 
-def _mlp_block(config, w, x):
+def _mlp_block(config, w, x, matmuls):
     """Pre-norm SwiGLU MLP of one layer. x: [B, T, H] -> [B, T, H]."""
     h = rms_norm(x, w["post_attention_layernorm"], config.rms_norm_eps)
-    return (jax.nn.silu(h @ w["gate_proj"]) * (h @ w["up_proj"])) @ w["down_proj"]
+    gated = jax.nn.silu(block_matmul.dense(h, w["gate_proj"], matmuls)) * block_matmul.dense(h, w["up_proj"], matmuls)
+    return block_matmul.dense(gated, w["down_proj"], matmuls)
 
 
 def forward(
@@ -201,6 +204,7 @@ def forward(
     *,
     taps: Taps = Taps(),
     chunk_size: int = 256,
+    matmuls: str = "xla",
 ) -> ForwardOutput:
     """Run T new tokens per row against the committed cache; the cache is not modified.
 
@@ -208,8 +212,9 @@ def forward(
     Query t of row b attends to cache slots s < cache.lengths[b] and to block entry u iff
     block_mask[..., t, u]. `cache=None` means an empty prefix (training, no-cache scoring).
     taps: the hidden states returned as `features` (see Taps). chunk_size: cache slots attended
-    per step of the prefix loop, clipped to the buffer, which it must divide.
-    Under jit, config, taps and chunk_size are static.
+    per step of the prefix loop, clipped to the buffer, which it must divide. matmuls: a
+    `block_matmul` mode ("streamed": blocks of 2..8 rows through its kernels).
+    Under jit, config, taps, chunk_size and matmuls are static.
     """
     feature_layers = taps.layer_inputs
     for layer in feature_layers:
@@ -224,9 +229,9 @@ def forward(
     for layer, w in enumerate(params["layers"]):
         if layer in feature_layers:
             captured[layer] = hidden
-        attn_out, k, v = _attention_block(config, w, hidden, layer, positions, inv_freq, cache, block_mask, chunk_size)
+        attn_out, k, v = _attention_block(config, w, hidden, layer, positions, inv_freq, cache, block_mask, chunk_size, matmuls)
         hidden = hidden + attn_out
-        hidden = hidden + _mlp_block(config, w, hidden)
+        hidden = hidden + _mlp_block(config, w, hidden, matmuls)
         k_new.append(k)
         v_new.append(v)
     features = jnp.concatenate([captured[layer] for layer in feature_layers], -1) if feature_layers else None  # [B, T, F*H]
@@ -234,4 +239,4 @@ def forward(
     if taps.final_hidden:
         features = normed if features is None else jnp.concatenate([features, normed], -1)
     k_new, v_new = jnp.stack(k_new), jnp.stack(v_new)  # [L, B, T, Hkv, D]
-    return ForwardOutput(logits=project_logits(params, config, normed), k=k_new, v=v_new, features=features)
+    return ForwardOutput(logits=project_logits(params, config, normed, matmuls), k=k_new, v=v_new, features=features)

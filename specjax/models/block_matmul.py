@@ -1,0 +1,132 @@
+"""Streamed block matmuls: the target's weight matmuls for 2..8 rows on XLA:CPU, each weight read once.
+
+A verification block of T tokens (batch 1) multiplies T rows by every weight of the target. At
+one row XLA:CPU streams each weight once; at 2..8 rows it calls a library GEMM that takes about
+twice as long, which is most of what a speculative step costs over a plain one on a CPU
+(docs/architecture.md, "Streamed block matmuls"). `block_matmul.cc` holds two kernels that walk
+the weights in memory order once, whatever the number of rows; they are built on first use with
+the host's C++ compiler (`$CXX`, default g++, `-march=native`) into a cache directory
+(`$SPECJAX_CACHE`, default `~/.cache/specjax`) and called through the XLA FFI.
+
+Modes (static under jit):
+    "xla"       every matmul is XLA's own (the default).
+    "streamed"  float32 matmuls of 2..8 rows go to the kernels; 1 row (XLA's matrix-vector loop
+                is as fast) and more than 8 rows (the GEMM wins there) stay XLA's.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import math
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+
+MODES = ("xla", "streamed")
+MAX_ROWS = 8
+SOURCE = Path(__file__).with_suffix(".cc")
+FLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-pthread")
+
+
+def check(mode: str, params) -> None:
+    """Raise a ValueError naming the problem where `mode` cannot run on these params; build the
+    kernels for "streamed" (a RuntimeError if that fails)."""
+    if mode not in MODES:
+        raise ValueError(f"block_matmul must be one of {MODES}, got {mode!r}")
+    if mode == "xla":
+        return
+    if jax.default_backend() != "cpu":
+        raise ValueError(f"block_matmul='streamed' is for XLA:CPU; the default backend is {jax.default_backend()!r}")
+    leaves = jax.tree.leaves(params)
+    dtypes = sorted({str(leaf.dtype) for leaf in leaves if leaf.ndim == 2})
+    if dtypes != ["float32"]:
+        raise ValueError(f"block_matmul='streamed' takes float32 weights; these are {', '.join(dtypes)}")
+    if any(len(getattr(leaf, "sharding", None).device_set) > 1 for leaf in leaves if hasattr(leaf, "sharding")):
+        raise ValueError("block_matmul='streamed' runs on one device; these params are sharded over several")
+    _register()
+
+
+def dense(x: jax.Array, w: jax.Array, mode: str) -> jax.Array:
+    """x [..., K] @ w [K, N] -> [..., N]."""
+    rows = math.prod(x.shape[:-1])
+    if not _streams(mode, rows, x, w):
+        return x @ w
+    out = _call("specjax_rows", x.reshape(rows, x.shape[-1]), w, w.shape[1])  # [M, N]
+    return out.reshape(*x.shape[:-1], w.shape[1])
+
+
+def head(x: jax.Array, lm_head: jax.Array, mode: str) -> jax.Array:
+    """x [..., H] @ lm_head [H, V] -> float32 logits [..., V]."""
+    rows = math.prod(x.shape[:-1])
+    if not _streams(mode, rows, x, lm_head):
+        return jnp.einsum("...h,hv->...v", x, lm_head, preferred_element_type=jnp.float32)
+    return dense(x, lm_head, mode)
+
+
+def tied_head(x: jax.Array, embed: jax.Array, mode: str) -> jax.Array:
+    """x [..., H] against the embedding's rows embed [V, H] -> float32 logits [..., V]."""
+    rows = math.prod(x.shape[:-1])
+    if not _streams(mode, rows, x, embed):
+        return jnp.einsum("...h,vh->...v", x, embed, preferred_element_type=jnp.float32)
+    out = _call("specjax_row_dot", x.reshape(rows, x.shape[-1]), embed, embed.shape[0])  # [M, V]
+    return out.reshape(*x.shape[:-1], embed.shape[0])
+
+
+def _streams(mode: str, rows: int, x: jax.Array, w: jax.Array) -> bool:
+    if mode not in MODES:
+        raise ValueError(f"block_matmul must be one of {MODES}, got {mode!r}")
+    return mode == "streamed" and 2 <= rows <= MAX_ROWS and x.dtype == w.dtype == jnp.float32
+
+
+def _call(target: str, x: jax.Array, w: jax.Array, width: int) -> jax.Array:
+    _register()
+    result = jax.ShapeDtypeStruct((x.shape[0], width), jnp.float32)
+    return jax.ffi.ffi_call(target, result, vmap_method="sequential")(x, w)
+
+
+@functools.cache
+def _register() -> None:
+    library = ctypes.cdll.LoadLibrary(str(build()))
+    jax.ffi.register_ffi_target("specjax_rows", jax.ffi.pycapsule(library.SpecjaxRows), platform="cpu")
+    jax.ffi.register_ffi_target("specjax_row_dot", jax.ffi.pycapsule(library.SpecjaxRowDot), platform="cpu")
+
+
+def build() -> Path:
+    """The kernels' shared library for this host, compiled once into the cache directory."""
+    compiler = os.environ.get("CXX", "g++")
+    if shutil.which(compiler) is None:
+        raise RuntimeError(f"block_matmul='streamed' builds {SOURCE.name} with a C++ compiler; {compiler!r} is not on PATH "
+                           "(install g++ or set CXX)")
+    version = subprocess.run([compiler, "--version"], capture_output=True, text=True).stdout
+    key = hashlib.sha256("\0".join([SOURCE.read_text(), compiler, version, " ".join(FLAGS), jax.__version__,
+                                    _cpu_flags()]).encode()).hexdigest()[:16]
+    cache = Path(os.environ.get("SPECJAX_CACHE") or Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "specjax")
+    library = cache / f"block_matmul-{key}.so"
+    if library.exists():
+        return library
+    cache.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=cache) as scratch:
+        built = Path(scratch) / library.name
+        command = [compiler, *FLAGS, f"-I{jax.ffi.include_dir()}", str(SOURCE), "-o", str(built)]
+        run = subprocess.run(command, capture_output=True, text=True)
+        if run.returncode != 0:
+            raise RuntimeError(f"building {SOURCE.name} failed ({' '.join(command)}):\n{run.stderr[-4000:]}")
+        os.replace(built, library)  # atomic: a concurrent build leaves one whole library
+    return library
+
+
+def _cpu_flags() -> str:
+    """What -march=native compiles for: the host's instruction-set flags."""
+    try:
+        with open("/proc/cpuinfo") as cpuinfo:
+            return next((line for line in cpuinfo if line.startswith(("flags", "Features"))), platform.processor())
+    except OSError:
+        return platform.machine() + platform.processor()
