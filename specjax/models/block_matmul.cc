@@ -88,16 +88,17 @@ template <typename Part>
 void in_parts(ffi::ThreadPool& pool, int64_t extent, int64_t weights, Part part) {
   constexpr int64_t kMinWeightsPerPart = 1 << 16;  // below 256 KB of weights, waking a thread costs more than it saves
   const int64_t threads = std::max<int64_t>(1, pool.num_threads());
-  const int64_t parts = std::clamp<int64_t>(weights / kMinWeightsPerPart, 1, std::min(threads, extent / 8));
+  const int64_t most = std::max<int64_t>(1, std::min(threads, extent / 8));
+  const int64_t parts = std::clamp<int64_t>(weights / kMinWeightsPerPart, 1, most);
   if (parts == 1) return part(0, extent);
   struct Shared {
     std::atomic<int64_t> next{0}, done{0};
   };
   auto shared = std::make_shared<Shared>();
-  const int64_t step = (extent / 8 + parts - 1) / parts * 8;
-  auto work = [shared, part, parts, step, extent] {
+  const int64_t groups = extent / 8;  // >= parts: every part gets at least one group
+  auto work = [shared, part, parts, groups, extent] {
     for (int64_t i; (i = shared->next.fetch_add(1)) < parts;) {
-      part(i * step, std::min(extent, (i + 1) * step));
+      part(groups * i / parts * 8, i + 1 == parts ? extent : groups * (i + 1) / parts * 8);  // the last part takes the tail
       shared->done.fetch_add(1, std::memory_order_release);
     }
   };
