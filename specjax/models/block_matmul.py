@@ -39,8 +39,7 @@ FLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-pthread")
 def check(mode: str, params) -> None:
     """Raise a ValueError naming the problem where `mode` cannot run on these params; build the
     kernels for "streamed" (a RuntimeError if that fails)."""
-    if mode not in MODES:
-        raise ValueError(f"block_matmul must be one of {MODES}, got {mode!r}")
+    _check_mode(mode)
     if mode == "xla":
         return
     if jax.default_backend() != "cpu":
@@ -56,40 +55,43 @@ def check(mode: str, params) -> None:
 
 def dense(x: jax.Array, w: jax.Array, mode: str) -> jax.Array:
     """x [..., K] @ w [K, N] -> [..., N]."""
-    rows = math.prod(x.shape[:-1])
-    if not _streams(mode, rows, x, w):
+    if not _streams(mode, x, w):
         return x @ w
-    out = _call("specjax_rows", x.reshape(rows, x.shape[-1]), w, w.shape[1])  # [M, N]
-    return out.reshape(*x.shape[:-1], w.shape[1])
+    return _call("specjax_rows", x, w, w.shape[1])
 
 
 def head(x: jax.Array, lm_head: jax.Array, mode: str) -> jax.Array:
     """x [..., H] @ lm_head [H, V] -> float32 logits [..., V]."""
-    rows = math.prod(x.shape[:-1])
-    if not _streams(mode, rows, x, lm_head):
+    if not _streams(mode, x, lm_head):
         return jnp.einsum("...h,hv->...v", x, lm_head, preferred_element_type=jnp.float32)
-    return dense(x, lm_head, mode)
+    return _call("specjax_rows", x, lm_head, lm_head.shape[1])
 
 
 def tied_head(x: jax.Array, embed: jax.Array, mode: str) -> jax.Array:
     """x [..., H] against the embedding's rows embed [V, H] -> float32 logits [..., V]."""
-    rows = math.prod(x.shape[:-1])
-    if not _streams(mode, rows, x, embed):
+    if not _streams(mode, x, embed):
         return jnp.einsum("...h,vh->...v", x, embed, preferred_element_type=jnp.float32)
-    out = _call("specjax_row_dot", x.reshape(rows, x.shape[-1]), embed, embed.shape[0])  # [M, V]
-    return out.reshape(*x.shape[:-1], embed.shape[0])
+    return _call("specjax_row_dot", x, embed, embed.shape[0])
 
 
-def _streams(mode: str, rows: int, x: jax.Array, w: jax.Array) -> bool:
+def _check_mode(mode: str) -> None:
     if mode not in MODES:
         raise ValueError(f"block_matmul must be one of {MODES}, got {mode!r}")
-    return mode == "streamed" and 2 <= rows <= MAX_ROWS and x.dtype == w.dtype == jnp.float32
+
+
+def _streams(mode: str, x: jax.Array, w: jax.Array) -> bool:
+    """Whether this matmul goes to a kernel: mode "streamed", 2..MAX_ROWS rows, float32."""
+    _check_mode(mode)
+    return mode == "streamed" and 2 <= math.prod(x.shape[:-1]) <= MAX_ROWS and x.dtype == w.dtype == jnp.float32
 
 
 def _call(target: str, x: jax.Array, w: jax.Array, width: int) -> jax.Array:
+    """x [..., K] as [M, K] rows through the kernel `target` -> [..., width] float32."""
     _register()
-    result = jax.ShapeDtypeStruct((x.shape[0], width), jnp.float32)
-    return jax.ffi.ffi_call(target, result, vmap_method="sequential")(x, w)
+    rows = x.reshape(-1, x.shape[-1])  # [M, K]
+    result = jax.ShapeDtypeStruct((rows.shape[0], width), jnp.float32)
+    out = jax.ffi.ffi_call(target, result, vmap_method="sequential")(rows, w)  # [M, width]
+    return out.reshape(*x.shape[:-1], width)
 
 
 @functools.cache
