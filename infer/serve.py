@@ -448,6 +448,8 @@ class Scheduler:
         reuse = self.options.prefix_reuse and self.engine.reuses_prefixes and group[0].groupable
         try:
             rows, kept = self._rows_for(group, reuse)
+            if len(group) == self.batch:  # slots in order: a whole-batch admission, not a permuted placement (which compiles again)
+                rows, group, kept = map(list, zip(*sorted(zip(rows, group, kept), key=lambda t: t[0])))
             prompts, limits = [g.prompt_ids for g in group], [g.max_tokens for g in group]
             self.state = self.engine.admit(self.state, rows, prompts, limits, seed=self._seed(group[0]), reuse_prefix=reuse)
         except Exception as error:

@@ -11,6 +11,7 @@ import threading
 import time
 
 import httpx
+import numpy as np
 import openai
 import pytest
 
@@ -438,6 +439,26 @@ def test_graceful_shutdown_drains_then_cancels(engine, tokenizer, server):
     assert app.state.metrics.requests["cancelled"] == 1 and app.state.scheduler.running == 0
     with pytest.raises((openai.APIError, httpx.HTTPError)):
         collect_stream(chunks)
+
+
+def test_a_whole_batch_admitted_into_reused_slots_compiles_nothing(engine, tokenizer, server):
+    """Four requests at once when every slot is free take them in least-recently-used order
+    (here 3, 2, 1, 0); the admission stays the whole-batch one compiled at startup."""
+    scheduler = serve.Scheduler(engine, tokenizer, ServeOptions(model_name=MODEL, max_batch=SLOTS), serve.Metrics(engine.max_depth))
+    scheduler.slot_used[:] = [3.0, 2.0, 1.0, 0.0]
+    prompts = [tokenizer.encode(words(3 + i, offset=i)) for i in range(SLOTS)]
+    group = [
+        serve.GenRequest(id=str(i), prompt_ids=p, max_tokens=5, temperature=0.0, top_p=1.0, top_k=0, min_p=0.0,
+                         stop=[], seed=None, stream=False, include_usage=False, loop=None, events=None)
+        for i, p in enumerate(prompts)
+    ]
+    scheduler._admit(group)
+    assert compile_counts(engine) == server.compiled
+    history = np.asarray(scheduler.state.history)
+    assert sorted(r.row for r in group) == list(range(SLOTS))
+    for request in group:
+        assert scheduler.slots[request.row] is request
+        assert history[request.row, : len(request.prompt_ids)].tolist() == request.prompt_ids
 
 
 def test_nothing_recompiled_as_requests_came_and_went(engine, server):
