@@ -19,7 +19,7 @@ from specjax.tree import causal_mask
 
 
 @pytest.mark.parametrize("rows", range(2, 9))
-@pytest.mark.parametrize("width, outputs", [(576, 1536), (13, 37), (300, 1030)])  # tails past 8 lanes and 512-column blocks; parts for two threads
+@pytest.mark.parametrize("width, outputs", [(576, 1536), (13, 37), (300, 1030)])  # tails past 8 lanes, register tiles and row chunks; row parts for two threads
 def test_kernels_equal_float64_matmuls(rows, width, outputs):
     rng = np.random.default_rng(rows * width)
     x, w, e = (rng.normal(size=shape).astype(np.float32) for shape in ((rows, width), (width, outputs), (outputs, width)))

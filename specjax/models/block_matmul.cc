@@ -3,8 +3,8 @@
 // A verification block of T tokens multiplies T rows by every weight matrix of the target. At one
 // row XLA emits a matrix-vector loop that streams each weight once; at 2..8 rows it calls a
 // library GEMM that takes about twice as long for the same weights (docs/architecture.md,
-// "Streamed block matmuls"). Both kernels here keep the rows' partial sums in L1 and walk the
-// weights in memory order, once. Built by specjax/models/block_matmul.py with the host's g++.
+// "Streamed block matmuls"). Both kernels here read each weight once, in a few sequential
+// streams, with the rows' sums in registers. Built by specjax/models/block_matmul.py with the host's g++.
 //
 //   Rows:   out[M, N] = x[M, K] @ w[K, N]       (projections; an untied LM head)
 //   RowDot: out[M, V] = x[M, H] @ e[V, H]^T     (a tied LM head: the embedding's rows)
@@ -29,34 +29,40 @@ inline v8 load8(const float* p) { v8 v; std::memcpy(&v, p, sizeof v); return v; 
 inline void store8(float* p, v8 v) { std::memcpy(p, &v, sizeof v); }
 inline v8 splat8(float s) { return v8{s, s, s, s, s, s, s, s}; }
 
-// out[M, n0:n1] = x[M, K] @ w[K, n0:n1]. Columns in blocks of kBlock (M x kBlock partial sums stay
-// in L1); within a block, two weight rows per pass, each read in order.
-template <int M>
-void rows(const float* x, const float* w, float* out, int64_t K, int64_t N, int64_t n_begin, int64_t n_end) {
-  constexpr int64_t kBlock = 512;
-  for (int m = 0; m < M; ++m) std::memset(out + m * N + n_begin, 0, sizeof(float) * (n_end - n_begin));
-  for (int64_t n0 = n_begin; n0 < n_end; n0 += kBlock) {
-    const int64_t width = std::min(kBlock, n_end - n0);
-    const int64_t vector_end = width - width % 8;
-    int64_t k = 0;
-    for (; k + 2 <= K; k += 2) {
-      const float* w0 = w + k * N + n0;  // weight rows k and k + 1 of this block
-      const float* w1 = w0 + N;
-      v8 x0[M], x1[M];
-      for (int m = 0; m < M; ++m) x0[m] = splat8(x[m * K + k]), x1[m] = splat8(x[m * K + k + 1]);
-      for (int64_t n = 0; n < vector_end; n += 8) {
-        const v8 a = load8(w0 + n), b = load8(w1 + n);
-        for (int m = 0; m < M; ++m) {
-          float* o = out + m * N + n0 + n;
-          store8(o, load8(o) + a * x0[m] + b * x1[m]);
-        }
-      }
-      for (int64_t n = vector_end; n < width; ++n)
-        for (int m = 0; m < M; ++m) out[m * N + n0 + n] += w0[n] * x[m * K + k] + w1[n] * x[m * K + k + 1];
+// out[M, n:n + 8T] += x[M, k0:k1] @ w[k0:k1, n:n + 8T]: M x T vectors of sums in registers while
+// the chunk's weight rows stream past, then one load and store of `out` per vector.
+template <int M, int T>
+inline void tile(const float* x, const float* w, float* out, int64_t K, int64_t N, int64_t n, int64_t k0, int64_t k1) {
+  v8 acc[M][T] = {};
+  for (int64_t k = k0; k < k1; ++k) {
+    v8 row[T];
+    for (int t = 0; t < T; ++t) row[t] = load8(w + k * N + n + 8 * t);
+    for (int m = 0; m < M; ++m) {
+      const v8 s = splat8(x[m * K + k]);
+      for (int t = 0; t < T; ++t) acc[m][t] += row[t] * s;
     }
-    for (; k < K; ++k)
-      for (int64_t n = 0; n < width; ++n)
-        for (int m = 0; m < M; ++m) out[m * N + n0 + n] += x[m * K + k] * w[k * N + n0 + n];
+  }
+  for (int m = 0; m < M; ++m)
+    for (int t = 0; t < T; ++t) store8(out + m * N + n + 8 * t, load8(out + m * N + n + 8 * t) + acc[m][t]);
+}
+
+// out[M, N] = x[M, k_begin:k_end] @ w[k_begin:k_end, N]: the weight rows in chunks (8 or more), each
+// chunk (contiguous in memory) read as that many sequential streams by register tiles of 8T columns
+// (M x T vectors of sums), then single vectors, then the last columns one by one.
+template <int M>
+void rows(const float* x, const float* w, float* out, int64_t K, int64_t N, int64_t k_begin, int64_t k_end) {
+  const int64_t chunk = std::clamp<int64_t>(8192 / N, 8, 64);  // narrow weights: more rows per chunk, fewer stores of sums
+  constexpr int T = M <= 3 ? 4 : std::max(1, 12 / M);  // about 12 of AVX2's 16 registers hold sums
+  const int64_t tiles_end = N / (8 * T) * (8 * T), vectors_end = N / 8 * 8;
+  std::memset(out, 0, sizeof(float) * M * N);
+  for (int64_t k0 = k_begin; k0 < k_end; k0 += chunk) {
+    const int64_t k1 = std::min(k_end, k0 + chunk);
+    int64_t n = 0;
+    for (; n < tiles_end; n += 8 * T) tile<M, T>(x, w, out, K, N, n, k0, k1);
+    for (; n < vectors_end; n += 8) tile<M, 1>(x, w, out, K, N, n, k0, k1);
+    for (; n < N; ++n)
+      for (int64_t k = k0; k < k1; ++k)
+        for (int m = 0; m < M; ++m) out[m * N + n] += x[m * K + k] * w[k * N + n];
   }
 }
 
@@ -80,17 +86,18 @@ void row_dots(const float* x, const float* e, float* out, int64_t H, int64_t V, 
   }
 }
 
-// Splits [0, extent) into parts of whole 8-lane groups and runs `part(begin, end)` on each: one in
-// the calling thread, the others as tasks of XLA's own thread pool. Whoever is free takes the next
-// part, so a pool that runs nothing (or runs tasks in the caller) still finishes; the caller waits
-// only for parts already taken. State lives on the heap: a task may start after the call returned.
+// Splits [0, extent) into parts of whole 8-lane groups and runs `part(index, begin, end)` on each: one
+// in the calling thread, the others as tasks of XLA's own thread pool. Whoever is free takes the
+// next part, so a pool that runs nothing (or runs tasks in the caller) still finishes; the caller
+// waits only for parts already taken. State lives on the heap: a task may start after the call
+// returned. Returns the number of parts.
 template <typename Part>
-void in_parts(ffi::ThreadPool& pool, int64_t extent, int64_t weights, Part part) {
-  constexpr int64_t kMinWeightsPerPart = 1 << 16;  // below 256 KB of weights, waking a thread costs more than it saves
+int64_t in_parts(ffi::ThreadPool& pool, int64_t extent, int64_t weights, Part part) {
+  constexpr int64_t kMinWeightsPerPart = 1 << 15;  // below 128 KB of weights, waking a thread costs more than it saves
   const int64_t threads = std::max<int64_t>(1, pool.num_threads());
   const int64_t most = std::max<int64_t>(1, std::min(threads, extent / 8));
   const int64_t parts = std::clamp<int64_t>(weights / kMinWeightsPerPart, 1, most);
-  if (parts == 1) return part(0, extent);
+  if (parts == 1) return part(0, 0, extent), 1;
   struct Shared {
     std::atomic<int64_t> next{0}, done{0};
   };
@@ -98,13 +105,14 @@ void in_parts(ffi::ThreadPool& pool, int64_t extent, int64_t weights, Part part)
   const int64_t groups = extent / 8;  // >= parts: every part gets at least one group
   auto work = [shared, part, parts, groups, extent] {
     for (int64_t i; (i = shared->next.fetch_add(1)) < parts;) {
-      part(groups * i / parts * 8, i + 1 == parts ? extent : groups * (i + 1) / parts * 8);  // the last part takes the tail
+      part(i, groups * i / parts * 8, i + 1 == parts ? extent : groups * (i + 1) / parts * 8);  // the last part takes the tail
       shared->done.fetch_add(1, std::memory_order_release);
     }
   };
   for (int64_t t = 1; t < parts; ++t) pool.Schedule(decltype(work)(work));  // a copy per task
   work();
   while (shared->done.load(std::memory_order_acquire) < parts) std::this_thread::yield();
+  return parts;
 }
 
 #define SPECJAX_FOR_ROWS(KERNEL, ...)                                                   \
@@ -124,7 +132,16 @@ ffi::Error RowsImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<f
   if (w.dimensions()[0] != K) return ffi::Error::InvalidArgument("x [M, K] @ w [K, N]: K differs");
   const float *xp = x.typed_data(), *wp = w.typed_data();
   float* op = out->typed_data();
-  in_parts(pool, N, K * N, [=](int64_t begin, int64_t end) { SPECJAX_FOR_ROWS(rows, xp, wp, op, K, N, begin, end) });
+  // Parts split the weight rows: each streams one contiguous slab into its own sums (part 0 into
+  // `out`, the others into scratch), added up once all are done.
+  const int64_t size = num_rows * N;
+  auto scratch = std::make_shared<std::vector<float>>(std::max<int64_t>(0, pool.num_threads() - 1) * size);
+  const int64_t parts = in_parts(pool, K, K * N, [=](int64_t i, int64_t begin, int64_t end) {
+    float* sums = i == 0 ? op : scratch->data() + (i - 1) * size;
+    SPECJAX_FOR_ROWS(rows, xp, wp, sums, K, N, begin, end)
+  });
+  for (int64_t i = 1; i < parts; ++i)
+    for (int64_t j = 0; j < size; ++j) op[j] += (*scratch)[(i - 1) * size + j];
   return ffi::Error::Success();
 }
 
@@ -134,7 +151,7 @@ ffi::Error RowDotImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer
   if (e.dimensions()[1] != H) return ffi::Error::InvalidArgument("x [M, H] @ e [V, H]^T: H differs");
   const float *xp = x.typed_data(), *ep = e.typed_data();
   float* op = out->typed_data();
-  in_parts(pool, V, V * H, [=](int64_t begin, int64_t end) { SPECJAX_FOR_ROWS(row_dots, xp, ep, op, H, V, begin, end) });
+  in_parts(pool, V, V * H, [=](int64_t, int64_t begin, int64_t end) { SPECJAX_FOR_ROWS(row_dots, xp, ep, op, H, V, begin, end) });
   return ffi::Error::Success();
 }
 
