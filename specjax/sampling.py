@@ -128,3 +128,13 @@ def sample(key: jax.Array, probabilities: jax.Array) -> jax.Array:
     if key.ndim:
         return jax.vmap(sample)(key, probabilities)
     return jax.random.categorical(key, jnp.log(probabilities), axis=-1).astype(jnp.int32)
+
+
+def draw(key: jax.Array, probabilities: jax.Array, params: SamplingParams) -> jax.Array:
+    """`sample` from `probs(..., params)`, without the random draw when every row is greedy: their
+    probabilities are one-hots, whose argmax is what the draw would give."""
+    return jax.lax.cond(
+        jnp.all(params.greedy),
+        lambda: jnp.argmax(probabilities, axis=-1).astype(jnp.int32),
+        lambda: sample(key, probabilities),
+    )

@@ -119,3 +119,19 @@ def test_sample_never_draws_zero_probability_tokens():
     q = jnp.asarray([[0.0, 0.5, 0.0, 0.5]] * 4000)
     tokens = np.asarray(jax.jit(sampling.sample)(jax.random.key(0), q))
     assert set(np.unique(tokens)) == {1, 3}
+
+
+def test_draw_is_sample_and_skips_the_randomness_only_for_an_all_greedy_batch():
+    """`draw` gives what `sample` gives from the same keys: the argmax of an all-greedy batch's
+    one-hots, and the random draw as soon as one row samples (its greedy rows included)."""
+    logits = jnp.asarray(random_logits(5, (4, VOCAB)))
+    keys = jax.random.split(jax.random.key(7), 4)
+    draw = jax.jit(sampling.draw)
+    for rows in ([(0.0, 0, 1.0, 0.0)] * 4, [(0.0, 0, 1.0, 0.0), (1.0, 0, 1.0, 0.0), (0.7, 3, 0.9, 0.0), (0.0, 0, 1.0, 0.0)]):
+        params = params_for(rows)
+        q = probs(logits, params)
+        np.testing.assert_array_equal(draw(keys, q, params), sampling.sample(keys, q))
+    greedy = params_for([(0.0, 0, 1.0, 0.0)] * 4)
+    uniform = jnp.full((4, VOCAB), 1.0 / VOCAB)  # not one-hots: only the argmax branch returns index 0 for every row
+    assert np.asarray(draw(keys, uniform, greedy)).tolist() == [0] * 4
+    assert np.asarray(sampling.sample(keys, uniform)).tolist() != [0] * 4

@@ -78,7 +78,7 @@ class DraftModelDrafter(ChainDrafter):
 
         def draft_one(carry, step_key):
             cache, probs = carry
-            token = sampling_lib.sample(step_key, probs)  # [B]
+            token = sampling_lib.draw(step_key, probs, sampling)  # [B]
             logits, k, v = self._forward(params, cache, token[:, None], cache.lengths[:, None], tree_lib.causal_mask(1))
             cache = kv.append(cache, k, v, jnp.ones_like(cache.lengths))
             return (cache, sampling_lib.probs(logits[:, 0], sampling)), (token, probs)
@@ -86,7 +86,7 @@ class DraftModelDrafter(ChainDrafter):
         keys = jax.vmap(jax.random.split, (0, None), 1)(key, self.num_draft)  # [N, B]: per-row keys
         # The last draft needs no forward of its own; scan over num_draft - 1 and sample it after.
         (cache, last_probs), (tokens, probs_seq) = jax.lax.scan(draft_one, (cache, probs), keys[:-1])
-        last_token = sampling_lib.sample(keys[-1], last_probs)
+        last_token = sampling_lib.draw(keys[-1], last_probs, sampling)
         drafts = jnp.concatenate([tokens.T, last_token[:, None]], axis=1)  # [B, N]
         draft_probs = jnp.concatenate([jnp.swapaxes(probs_seq, 0, 1), last_probs[:, None]], axis=1)  # [B, N, V]
         proposal = Proposal(

@@ -280,7 +280,7 @@ class FeatureDrafter(Drafter):
         drafts, probs, fed_tokens, fed_hidden = [], [], [], []
         for level in range(depth):
             p = sampling_lib.probs(logits, sampling)  # [B, Vd]
-            drafts.append(targets[sampling_lib.sample(keys[:, level], p)])  # [B]
+            drafts.append(targets[sampling_lib.draw(keys[:, level], p, sampling)])  # [B]
             probs.append(p)
             if level + 1 < depth:  # the head reads the chain so far; its last output drafts the next
                 fed_tokens.append(drafts[-1])
