@@ -86,18 +86,22 @@ void row_dots(const float* x, const float* e, float* out, int64_t H, int64_t V, 
   }
 }
 
-// Splits [0, extent) into parts of whole 8-lane groups and runs `part(index, begin, end)` on each: one
-// in the calling thread, the others as tasks of XLA's own thread pool. Whoever is free takes the
-// next part, so a pool that runs nothing (or runs tasks in the caller) still finishes; the caller
-// waits only for parts already taken. State lives on the heap: a task may start after the call
-// returned. Returns the number of parts.
-template <typename Part>
-int64_t in_parts(ffi::ThreadPool& pool, int64_t extent, int64_t weights, Part part) {
+// How many parts of whole 8-lane groups to split [0, extent) into: one per thread of XLA's pool,
+// fewer where the weights are too few to be worth waking a thread for.
+int64_t num_parts(ffi::ThreadPool& pool, int64_t extent, int64_t weights) {
   constexpr int64_t kMinWeightsPerPart = 1 << 15;  // below 128 KB of weights, waking a thread costs more than it saves
   const int64_t threads = std::max<int64_t>(1, pool.num_threads());
   const int64_t most = std::max<int64_t>(1, std::min(threads, extent / 8));
-  const int64_t parts = std::clamp<int64_t>(weights / kMinWeightsPerPart, 1, most);
-  if (parts == 1) return part(0, 0, extent), 1;
+  return std::clamp<int64_t>(weights / kMinWeightsPerPart, 1, most);
+}
+
+// Splits [0, extent) into `parts` (from num_parts) and runs `part(index, begin, end)` on each: one
+// in the calling thread, the others as tasks of XLA's own thread pool. Whoever is free takes the
+// next part, so a pool that runs nothing (or runs tasks in the caller) still finishes; the caller
+// waits only for parts already taken. State lives on the heap: a task may start after the call returned.
+template <typename Part>
+void in_parts(ffi::ThreadPool& pool, int64_t extent, int64_t parts, Part part) {
+  if (parts == 1) return part(0, 0, extent);
   struct Shared {
     std::atomic<int64_t> next{0}, done{0};
   };
@@ -112,7 +116,6 @@ int64_t in_parts(ffi::ThreadPool& pool, int64_t extent, int64_t weights, Part pa
   for (int64_t t = 1; t < parts; ++t) pool.Schedule(decltype(work)(work));  // a copy per task
   work();
   while (shared->done.load(std::memory_order_acquire) < parts) std::this_thread::yield();
-  return parts;
 }
 
 #define SPECJAX_FOR_ROWS(KERNEL, ...)                                                   \
@@ -134,9 +137,9 @@ ffi::Error RowsImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<f
   float* op = out->typed_data();
   // Parts split the weight rows: each streams one contiguous slab into its own sums (part 0 into
   // `out`, the others into scratch), added up once all are done.
-  const int64_t size = num_rows * N;
-  auto scratch = std::make_shared<std::vector<float>>(std::max<int64_t>(0, pool.num_threads() - 1) * size);
-  const int64_t parts = in_parts(pool, K, K * N, [=](int64_t i, int64_t begin, int64_t end) {
+  const int64_t size = num_rows * N, parts = num_parts(pool, K, K * N);
+  auto scratch = std::make_shared<std::vector<float>>((parts - 1) * size);
+  in_parts(pool, K, parts, [=](int64_t i, int64_t begin, int64_t end) {
     float* sums = i == 0 ? op : scratch->data() + (i - 1) * size;
     SPECJAX_FOR_ROWS(rows, xp, wp, sums, K, N, begin, end)
   });
@@ -151,7 +154,7 @@ ffi::Error RowDotImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer
   if (e.dimensions()[1] != H) return ffi::Error::InvalidArgument("x [M, H] @ e [V, H]^T: H differs");
   const float *xp = x.typed_data(), *ep = e.typed_data();
   float* op = out->typed_data();
-  in_parts(pool, V, V * H, [=](int64_t, int64_t begin, int64_t end) { SPECJAX_FOR_ROWS(row_dots, xp, ep, op, H, V, begin, end) });
+  in_parts(pool, V, num_parts(pool, V, V * H), [=](int64_t, int64_t begin, int64_t end) { SPECJAX_FOR_ROWS(row_dots, xp, ep, op, H, V, begin, end) });
   return ffi::Error::Success();
 }
 
