@@ -53,6 +53,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     load.add_argument("--prompts", default="chat", help="built-in set (chat, code, mt-bench) or a jsonl file ('prompt' or 'turns')")
     load.add_argument("--turns", type=common.POSITIVE_INT, default=1, help="user turns per conversation (mt-bench has 2)")
     load.add_argument("--prefix-reuse", default="on", help="serve with prefix reuse on, off, or both (on,off)")
+    load.add_argument("--reuse-min-gain", type=common.NON_NEGATIVE_INT, default=None,
+                      help="the server's --reuse-min-gain (default: the server's default)")
     load.add_argument("--min-tokens", type=common.POSITIVE_INT, default=16)
     load.add_argument("--max-tokens", type=common.POSITIVE_INT, default=128)
     load.add_argument("--temperature", type=common.NON_NEGATIVE, default=0.0)
@@ -271,7 +273,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
                     continue  # one request at a time: the same schedule
                 for reuse in args.reuse_list:
                     options = ServeOptions(model_name="loadtest", max_batch=slots, max_queue=max(concurrency, 1) * 2,
-                                           steps_per_sync=args.steps_per_sync, schedule=schedule, prefix_reuse=reuse == "on")
+                                           steps_per_sync=args.steps_per_sync, schedule=schedule, prefix_reuse=reuse == "on",
+                                           **({} if args.reuse_min_gain is None else {"reuse_min_gain": args.reuse_min_gain}))
                     app = create_app(engine, tokenizer, options)
                     with ServerThread(app) as server:  # compiles for `slots` at startup (once per engine and size)
                         metrics = app.state.metrics

@@ -492,11 +492,13 @@ def test_loadtest_runs_on_a_tiny_model(tmp_path, capsys):
 
 def test_loadtest_holds_conversations_with_and_without_reuse(tmp_path, capsys):
     """Two-turn conversations, served with prefix reuse and without: the same replies; only with
-    reuse are prompt tokens found cached (the later turns keep their first turn)."""
+    reuse are prompt tokens found cached (the later turns keep their first turn). A slot for each of
+    the 4 conversations (which one a new conversation evicts from fewer slots is up to timing), and a
+    gain these short prompts reach (at the default 64, a later turn takes the least recently used slot)."""
     from infer import loadtest
 
-    common = ["--tiny", "--methods", "ngram:3", "--concurrency", "2", "--min-tokens", "4", "--max-tokens", "12",
-              "--max-len", "128", "--schedules", "continuous", "--out", str(tmp_path / "loadtest.json")]
+    common = ["--tiny", "--methods", "ngram:3", "--concurrency", "2", "--max-batch", "4", "--reuse-min-gain", "4", "--min-tokens", "4",
+              "--max-tokens", "12", "--max-len", "128", "--schedules", "continuous", "--out", str(tmp_path / "loadtest.json")]
     rows = loadtest.main(common + ["--turns", "2", "--requests", "8", "--prefix-reuse", "on,off"])
     assert [r["reuse"] for r in rows] == ["on", "off"]
     on, off = rows
