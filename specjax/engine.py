@@ -271,14 +271,23 @@ class Engine:
         eos = jnp.asarray(self.eos_ids or (-1,), jnp.int32)
         return jnp.any(tokens[..., None] == eos, axis=-1)
 
-    def _verify(self, key, proposal: Proposal, target_probs, sampling) -> verify.Verdict:
-        if proposal.rule == "rejection" and proposal.tree.is_chain:
-            return verify.chain(key, proposal.tokens[:, 1:], proposal.draft_probs, target_probs, sampling)
-        if proposal.rule == "rejection":
+    def _verify(self, key, proposal: Proposal, logits, sampling) -> verify.Verdict:
+        """The verdict on `proposal` from the target's logits at its nodes [B, N, V]. An all-greedy
+        batch needs only each node's argmax (`verify.greedy`, the verdict of every rule's greedy
+        rows), so it computes no distribution over the vocabulary."""
+        if proposal.rule not in ("rejection", "point_mass"):
+            raise ValueError(f"unknown verification rule {proposal.rule!r}")
+
+        def by_rule():
+            target_probs = sampling_lib.probs(logits, sampling)  # [B, N, V]
+            if proposal.rule == "point_mass":
+                return verify.tree(key, proposal.tree, proposal.tokens, target_probs, sampling)
+            if proposal.tree.is_chain:
+                return verify.chain(key, proposal.tokens[:, 1:], proposal.draft_probs, target_probs, sampling)
             return verify.sampled_tree(key, proposal.tree, proposal.tokens, proposal.draft_probs, target_probs, sampling)
-        if proposal.rule == "point_mass":
-            return verify.tree(key, proposal.tree, proposal.tokens, target_probs, sampling)
-        raise ValueError(f"unknown verification rule {proposal.rule!r}")
+
+        greedy = lambda: verify.greedy(proposal.tree, proposal.tokens, jnp.argmax(logits, axis=-1).astype(jnp.int32))
+        return jax.lax.cond(jnp.all(sampling.greedy), greedy, by_rule)
 
     def _target_over(self, params, cache: kv.KVCache, proposal: Proposal) -> tuple[llama.ForwardOutput, dict]:
         """The target over the proposal's tree (and auxiliary nodes): outputs at the tree's N nodes,
@@ -305,7 +314,7 @@ class Engine:
         draft_key, verify_key = keys
         drafter_state, proposal = drafter.propose(drafter_params, state.drafter_state, draft_key, ctx, sampling)
         out, aux = self._target_over(params, state.cache, proposal)
-        verdict = self._verify(verify_key, proposal, sampling_lib.probs(out.logits, sampling), sampling)
+        verdict = self._verify(verify_key, proposal, out.logits, sampling)
         return drafter_state, proposal, out, aux, verdict
 
     def _fixed_draft_and_verify(self, params, drafter_params, state: DecodeState, keys, ctx, sampling):

@@ -130,11 +130,13 @@ def sample(key: jax.Array, probabilities: jax.Array) -> jax.Array:
     return jax.random.categorical(key, jnp.log(probabilities), axis=-1).astype(jnp.int32)
 
 
-def draw(key: jax.Array, probabilities: jax.Array, params: SamplingParams) -> jax.Array:
-    """`sample` from `probs(..., params)`, without the random draw when every row is greedy: their
-    probabilities are one-hots, whose argmax is what the draw would give."""
-    return jax.lax.cond(
-        jnp.all(params.greedy),
-        lambda: jnp.argmax(probabilities, axis=-1).astype(jnp.int32),
-        lambda: sample(key, probabilities),
-    )
+def pick(key: jax.Array, logits: jax.Array, params: SamplingParams) -> tuple[jax.Array, jax.Array]:
+    """A drafter's choice: a token per distribution, `sample`d from `probs(logits, params)` [B, ..., V],
+    and that distribution. An all-greedy batch takes the argmax and returns zeros for the
+    distribution, computing none: no rule reads a greedy row's draft distribution (`verify.greedy`)."""
+    def sampled():
+        q = probs(logits, params)
+        return sample(key, q), q
+
+    greedy = lambda: (jnp.argmax(logits, axis=-1).astype(jnp.int32), jnp.zeros(logits.shape, jnp.float32))
+    return jax.lax.cond(jnp.all(params.greedy), greedy, sampled)

@@ -15,6 +15,7 @@ sampled_tree: each node's children drawn one after another without replacement f
               accepted with probability min(1, r_j(c) / p_j(c)); on rejection
               r_{j+1} = normalise(max(r_j - p_j, 0)). Given the earlier siblings, c_j is drawn from
               p_j, so each try is one step of the chain rule and the node emits exactly q.
+greedy:       an all-greedy batch under any of them, from the target's argmax tokens alone.
 
 Conventions that keep both rules exact and safe:
 - Acceptance test: draft d is accepted iff u * p(d) < q(d) with u ~ U(0, 1), that is with
@@ -181,6 +182,39 @@ def _walk(ok, tried_before, ancestors, depths, max_depth: int) -> tuple[jax.Arra
     stop = jnp.argmax(jnp.where(on_path, depths, -1))
     at_depth = on_path[None, :] & (depths[None, :] == jnp.arange(max_depth + 1)[:, None])  # [D + 1, N]
     return stop, jnp.where(jnp.any(at_depth, axis=1), jnp.argmax(at_depth, axis=1), stop)
+
+
+def _greedy_row(
+    parents: jax.Array,  # [N]
+    depths: jax.Array,  # [N]
+    ancestors: jax.Array,  # [N, N] ancestor-or-self mask
+    node_tokens: jax.Array,  # [N]
+    target_tokens: jax.Array,  # [N] argmax q at each node
+    max_depth: int,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """(accepted, next_token, path) for one greedy row of any rule."""
+    nodes = jnp.arange(node_tokens.shape[0])
+    drafted = nodes > 0
+    siblings = (parents[:, None] == parents[None, :]) & drafted[:, None] & drafted[None, :]  # [N, N]
+    tried_before = siblings & (nodes[None, :] < nodes[:, None])  # [j, k]: k is tried before j
+    ok = drafted & (node_tokens == target_tokens[jnp.maximum(parents, 0)])  # [N]
+    stop, path = _walk(ok, tried_before, ancestors, depths, max_depth)
+    return depths[stop].astype(jnp.int32), target_tokens[stop].astype(jnp.int32), path.astype(jnp.int32)
+
+
+@jax.jit
+def greedy(tree: Tree, node_tokens: jax.Array, target_tokens: jax.Array) -> Verdict:
+    """Verify an all-greedy batch from the target's argmax tokens alone: the verdict `chain`,
+    `tree` and `sampled_tree` give greedy rows (from the root, the first child whose token is
+    argmax q at its parent; then argmax q at the stop node), without any [V]-wide work.
+
+    tree:          topology; node 0 is the root (the pending token), siblings in try order.
+    node_tokens:   [B, N] int, node_tokens[:, 0] is the pending token.
+    target_tokens: [B, N] int, argmax of the target's logits at node i.
+    """
+    row = functools.partial(_greedy_row, max_depth=tree.max_depth)
+    accepted, next_token, path = jax.vmap(row)(tree.parents, tree.depths, tree.ancestor_mask(), node_tokens, target_tokens)
+    return _tree_verdict(accepted, next_token, path, tree.max_depth)
 
 
 def _tree_verdict(accepted, next_token, path, max_depth: int) -> Verdict:

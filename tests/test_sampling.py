@@ -121,17 +121,16 @@ def test_sample_never_draws_zero_probability_tokens():
     assert set(np.unique(tokens)) == {1, 3}
 
 
-def test_draw_is_sample_and_skips_the_randomness_only_for_an_all_greedy_batch():
-    """`draw` gives what `sample` gives from the same keys: the argmax of an all-greedy batch's
-    one-hots, and the random draw as soon as one row samples (its greedy rows included)."""
+def test_pick_samples_the_processed_distribution_and_skips_it_for_an_all_greedy_batch():
+    """`pick` gives `probs` and what `sample` draws from it with the same keys as soon as one row
+    samples (its greedy rows included); an all-greedy batch gets the argmax and zeros."""
     logits = jnp.asarray(random_logits(5, (4, VOCAB)))
     keys = jax.random.split(jax.random.key(7), 4)
-    draw = jax.jit(sampling.draw)
-    for rows in ([(0.0, 0, 1.0, 0.0)] * 4, [(0.0, 0, 1.0, 0.0), (1.0, 0, 1.0, 0.0), (0.7, 3, 0.9, 0.0), (0.0, 0, 1.0, 0.0)]):
-        params = params_for(rows)
-        q = probs(logits, params)
-        np.testing.assert_array_equal(draw(keys, q, params), sampling.sample(keys, q))
-    greedy = params_for([(0.0, 0, 1.0, 0.0)] * 4)
-    uniform = jnp.full((4, VOCAB), 1.0 / VOCAB)  # not one-hots: only the argmax branch returns index 0 for every row
-    assert np.asarray(draw(keys, uniform, greedy)).tolist() == [0] * 4
-    assert np.asarray(sampling.sample(keys, uniform)).tolist() != [0] * 4
+    pick = jax.jit(sampling.pick)
+    mixed = params_for([(0.0, 0, 1.0, 0.0), (1.0, 0, 1.0, 0.0), (0.7, 3, 0.9, 0.0), (0.0, 0, 1.0, 0.0)])
+    tokens, q = pick(keys, logits, mixed)
+    np.testing.assert_array_equal(q, probs(logits, mixed))
+    np.testing.assert_array_equal(tokens, sampling.sample(keys, q))
+    tokens, q = pick(keys, logits, params_for([(0.0, 0, 1.0, 0.0)] * 4))
+    np.testing.assert_array_equal(tokens, np.asarray(logits).argmax(-1))
+    assert not np.asarray(q).any()

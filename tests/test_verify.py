@@ -655,6 +655,23 @@ def test_tree_properties(example):
             assert next_token[row] not in rejected, "residual emitted a rejected child's token"
 
 
+@given(tree_batches())
+@property_settings
+def test_greedy_verdict_is_the_argmax_walk(example):
+    """`verify.greedy` (an all-greedy batch, from the target's argmax tokens alone) on random
+    per-row topologies: the reference walk, and the layout every rule's verdict has."""
+    parents, seed = example
+    topology, tokens, q, _ = random_tree_batch(parents, seed)
+    verdict = verify.greedy(topology, jnp.asarray(tokens, jnp.int32), jnp.asarray(q.argmax(-1), jnp.int32))
+    accepted, next_token, path = map(np.asarray, (verdict.accepted, verdict.next_token, verdict.path))
+    for row, row_parents in enumerate(parents):
+        walk, token = greedy_walk(row_parents, tokens[row], q[row])
+        a = len(walk) - 1
+        assert accepted[row] == a and next_token[row] == token
+        assert list(path[row]) == walk + [walk[-1]] * (PROPERTY_NODES - 1 - a)
+        np.testing.assert_array_equal(np.asarray(verdict.accepted_at[row]), np.arange(PROPERTY_NODES - 1) < a)
+
+
 def test_emitted_tokens_layout():
     verdict = verify.Verdict(
         accepted=jnp.asarray([0, 2]),

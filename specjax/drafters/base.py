@@ -42,7 +42,7 @@ class Proposal:
     tree:        topology with N = num_nodes nodes; node 0 is the pending token.
     tokens:      [B, N] target-vocabulary ids; tokens[:, 0] is the pending token.
     draft_probs: [B, N - 1, V] the distribution node i + 1 was sampled from (its parent's; rule
-                 "rejection" only).
+                 "rejection" only; zeros in an all-greedy batch, where no rule reads them).
     rule:        static; which verification rule is exact for these drafts.
     aux_tokens:  [B, A] auxiliary nodes run in the same forward, never verified or committed
                  (Lookahead's Jacobi window); their logits go to `update` as aux_logits.

@@ -74,19 +74,18 @@ class DraftModelDrafter(ChainDrafter):
         positions = start[:, None] + jnp.arange(2)[None, :]
         logits, k, v = self._forward(params, cache.replace(lengths=start), block, positions, block_mask)
         cache = kv.append(cache.replace(lengths=start), k, v, ctx.lengths + 1 - start)  # through the pending token
-        probs = sampling_lib.probs(logits[:, -1], sampling)  # [B, V]
 
         def draft_one(carry, step_key):
-            cache, probs = carry
-            token = sampling_lib.draw(step_key, probs, sampling)  # [B]
+            cache, logits = carry  # [B, V] at the newest token
+            token, probs = sampling_lib.pick(step_key, logits, sampling)  # [B], [B, V]
             logits, k, v = self._forward(params, cache, token[:, None], cache.lengths[:, None], tree_lib.causal_mask(1))
             cache = kv.append(cache, k, v, jnp.ones_like(cache.lengths))
-            return (cache, sampling_lib.probs(logits[:, 0], sampling)), (token, probs)
+            return (cache, logits[:, 0]), (token, probs)
 
         keys = jax.vmap(jax.random.split, (0, None), 1)(key, self.num_draft)  # [N, B]: per-row keys
         # The last draft needs no forward of its own; scan over num_draft - 1 and sample it after.
-        (cache, last_probs), (tokens, probs_seq) = jax.lax.scan(draft_one, (cache, probs), keys[:-1])
-        last_token = sampling_lib.draw(keys[-1], last_probs, sampling)
+        (cache, last_logits), (tokens, probs_seq) = jax.lax.scan(draft_one, (cache, logits[:, -1]), keys[:-1])
+        last_token, last_probs = sampling_lib.pick(keys[-1], last_logits, sampling)
         drafts = jnp.concatenate([tokens.T, last_token[:, None]], axis=1)  # [B, N]
         draft_probs = jnp.concatenate([jnp.swapaxes(probs_seq, 0, 1), last_probs[:, None]], axis=1)  # [B, N, V]
         proposal = Proposal(

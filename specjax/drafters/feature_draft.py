@@ -279,8 +279,8 @@ class FeatureDrafter(Drafter):
         targets = self._to_target(params, jnp.arange(logits.shape[-1]))  # [Vd] target ids
         drafts, probs, fed_tokens, fed_hidden = [], [], [], []
         for level in range(depth):
-            p = sampling_lib.probs(logits, sampling)  # [B, Vd]
-            drafts.append(targets[sampling_lib.draw(keys[:, level], p, sampling)])  # [B]
+            draft_ids, p = sampling_lib.pick(keys[:, level], logits, sampling)  # [B], [B, Vd]
+            drafts.append(targets[draft_ids])
             probs.append(p)
             if level + 1 < depth:  # the head reads the chain so far; its last output drafts the next
                 fed_tokens.append(drafts[-1])
@@ -290,7 +290,11 @@ class FeatureDrafter(Drafter):
                 out = self._head(params, cache, jnp.stack(fed_tokens, 1), jnp.stack(fed_hidden, 1), positions, causal_mask(fed))
                 hidden = out.hidden[:, -1]
                 logits = self._logits(params, hidden)
-        draft_probs = self._in_target_vocab(params, jnp.stack(probs, 1))  # [B, D, V]
+        draft_probs = jax.lax.cond(  # [B, D, V]; an all-greedy batch's (zeros) are never read
+            jnp.all(sampling.greedy),
+            lambda: jnp.zeros((batch, depth, self.shape.target_vocab_size), jnp.float32),
+            lambda: self._in_target_vocab(params, jnp.stack(probs, 1)),
+        )
         tokens = jnp.concatenate([ctx.pending[:, None], jnp.stack(drafts, 1)], 1)  # [B, D + 1]
         return Proposal(tree=chain(batch, depth), tokens=tokens, draft_probs=draft_probs, rule="rejection")
 

@@ -55,7 +55,11 @@ class NgramFirst(Wrapper):
         use_lookup = matched >= self.min_ngram  # [B]
         probe = jax.eval_shape(lambda: self.inner.propose(params, state, key, ctx, sampling)[1])
         sampled = probe.rule == "rejection"
-        one_hot = lambda tokens: jax.nn.one_hot(tokens, probe.draft_probs.shape[-1], dtype=probe.draft_probs.dtype)
+
+        def one_hot(tokens):  # [B, D] -> [B, D, V]; an all-greedy batch's (zeros) are never read (`verify.greedy`)
+            shape, dtype = probe.draft_probs.shape, probe.draft_probs.dtype
+            return jax.lax.cond(jnp.all(sampling.greedy), lambda: jnp.zeros(shape, dtype),
+                                lambda: jax.nn.one_hot(tokens, shape[-1], dtype=dtype))
 
         def with_fallback():
             new_state, proposal = self.inner.propose(params, state, key, ctx, sampling)
