@@ -7,6 +7,8 @@ output must follow": verification, drafting and plain sampling all go through it
 
 from __future__ import annotations
 
+from typing import Callable
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -128,6 +130,13 @@ def sample(key: jax.Array, probabilities: jax.Array) -> jax.Array:
     if key.ndim:
         return jax.vmap(sample)(key, probabilities)
     return jax.random.categorical(key, jnp.log(probabilities), axis=-1).astype(jnp.int32)
+
+
+def unless_greedy(params: SamplingParams, draft_probs: Callable[[], jax.Array]) -> jax.Array:
+    """`draft_probs()`, or zeros of its shape when every row is greedy: no rule reads a greedy
+    row's draft distribution (`verify.greedy`), so an all-greedy batch computes none."""
+    shape = jax.eval_shape(draft_probs)
+    return jax.lax.cond(jnp.all(params.greedy), lambda: jnp.zeros(shape.shape, shape.dtype), draft_probs)
 
 
 def pick(key: jax.Array, logits: jax.Array, params: SamplingParams) -> tuple[jax.Array, jax.Array]:

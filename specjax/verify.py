@@ -184,6 +184,15 @@ def _walk(ok, tried_before, ancestors, depths, max_depth: int) -> tuple[jax.Arra
     return stop, jnp.where(jnp.any(at_depth, axis=1), jnp.argmax(at_depth, axis=1), stop)
 
 
+def _sibling_order(parents: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """parents [N] -> (drafted [N]: every node but the root; siblings [N, N]; tried_before
+    [N, N]: [j, k] sibling k is tried before j, as it comes earlier)."""
+    nodes = jnp.arange(parents.shape[0])
+    drafted = nodes > 0
+    siblings = (parents[:, None] == parents[None, :]) & drafted[:, None] & drafted[None, :]
+    return drafted, siblings, siblings & (nodes[None, :] < nodes[:, None])
+
+
 def _greedy_row(
     parents: jax.Array,  # [N]
     depths: jax.Array,  # [N]
@@ -193,10 +202,7 @@ def _greedy_row(
     max_depth: int,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """(accepted, next_token, path) for one greedy row of any rule."""
-    nodes = jnp.arange(node_tokens.shape[0])
-    drafted = nodes > 0
-    siblings = (parents[:, None] == parents[None, :]) & drafted[:, None] & drafted[None, :]  # [N, N]
-    tried_before = siblings & (nodes[None, :] < nodes[:, None])  # [j, k]: k is tried before j
+    drafted, _, tried_before = _sibling_order(parents)
     ok = drafted & (node_tokens == target_tokens[jnp.maximum(parents, 0)])  # [N]
     stop, path = _walk(ok, tried_before, ancestors, depths, max_depth)
     return depths[stop].astype(jnp.int32), target_tokens[stop].astype(jnp.int32), path.astype(jnp.int32)
@@ -246,13 +252,9 @@ def _tree_row(
     is taken on a compressed vocabulary of N slots: one per sibling (q_parent of its token, 0
     for a repeat of an earlier sibling's token) and one for every other token. O(N^2 + V).
     """
-    num_nodes = target_probs.shape[0]
-    nodes = jnp.arange(num_nodes)
-    drafted = nodes > 0  # [N], the root is not a candidate
+    nodes = jnp.arange(target_probs.shape[0])
     parent = jnp.maximum(parents, 0)  # [N]
-    siblings = (parents[:, None] == parents[None, :]) & drafted[:, None] & drafted[None, :]  # [N, N]
-    earlier = nodes[None, :] < nodes[:, None]  # [N, N]: [j, k] k comes before j
-    tried_before = siblings & earlier  # [j, k]: k is tried (and rejected) before j is tried
+    drafted, siblings, tried_before = _sibling_order(parents)  # [N], [N, N], [N, N]
     same_token = siblings & (node_tokens[:, None] == node_tokens[None, :])  # [N, N]
     token_slot = jnp.argmax(same_token, axis=1)  # [N], the first sibling with this node's token
     q_token = target_probs[parent, node_tokens]  # [N] q_parent(token)
@@ -329,9 +331,7 @@ def _sampled_tree_row(
     """
     num_nodes = target_probs.shape[0]
     nodes = jnp.arange(num_nodes)
-    drafted = nodes > 0
-    siblings = (parents[:, None] == parents[None, :]) & drafted[:, None] & drafted[None, :]  # [N, N]
-    tried_before = siblings & (nodes[None, :] < nodes[:, None])  # [j, k]: k is tried before j
+    drafted, _, tried_before = _sibling_order(parents)
     rank = jnp.sum(tried_before, axis=1)  # [N] position among siblings
     children = (parents[None, :] == nodes[:, None]) & drafted[None, :]  # [parent, child]
     first_child = jnp.argmax(children & (rank == 0)[None, :], axis=1)  # [N]
@@ -363,21 +363,12 @@ def _sampled_tree_row(
 
 
 def _sampled_tree(key, tree, node_tokens, draft_probs, target_probs, params, residual: Residual) -> Verdict:
-    """`sampled_tree` with the residual rule as a parameter (tests swap in wrong rules). An
-    all-greedy batch takes `tree`'s cheaper argmax walk, which is the same walk."""
+    """`sampled_tree` with the residual rule as a parameter (tests swap in wrong rules)."""
     row = functools.partial(_sampled_tree_row, max_depth=tree.max_depth, residual=residual)
-
-    def sampled():
-        uniform, gumbel = _noise(key, params, node_tokens.shape[1], target_probs.shape[-1])
-        return jax.vmap(row)(
-            uniform, gumbel, tree.parents, tree.ancestor_mask(), tree.depths, node_tokens, draft_probs, target_probs, params.greedy
-        )
-
-    def argmax_walk():
-        verdict = _tree(key, tree, node_tokens, target_probs, params, residual)
-        return verdict.accepted, verdict.next_token, verdict.path
-
-    accepted, next_token, path = jax.lax.cond(jnp.all(params.greedy), argmax_walk, sampled)
+    uniform, gumbel = _noise(key, params, node_tokens.shape[1], target_probs.shape[-1])
+    accepted, next_token, path = jax.vmap(row)(
+        uniform, gumbel, tree.parents, tree.ancestor_mask(), tree.depths, node_tokens, draft_probs, target_probs, params.greedy
+    )
     return _tree_verdict(accepted, next_token, path, tree.max_depth)
 
 

@@ -123,7 +123,8 @@ def test_sample_never_draws_zero_probability_tokens():
 
 def test_pick_samples_the_processed_distribution_and_skips_it_for_an_all_greedy_batch():
     """`pick` gives `probs` and what `sample` draws from it with the same keys as soon as one row
-    samples (its greedy rows included); an all-greedy batch gets the argmax and zeros."""
+    samples (its greedy rows included); an all-greedy batch gets the argmax and zeros (as from
+    `unless_greedy`)."""
     logits = jnp.asarray(random_logits(5, (4, VOCAB)))
     keys = jax.random.split(jax.random.key(7), 4)
     pick = jax.jit(sampling.pick)
@@ -134,3 +135,6 @@ def test_pick_samples_the_processed_distribution_and_skips_it_for_an_all_greedy_
     tokens, q = pick(keys, logits, params_for([(0.0, 0, 1.0, 0.0)] * 4))
     np.testing.assert_array_equal(tokens, np.asarray(logits).argmax(-1))
     assert not np.asarray(q).any()
+    unless_greedy = jax.jit(lambda params: sampling.unless_greedy(params, lambda: probs(logits, params)))
+    np.testing.assert_array_equal(unless_greedy(mixed), probs(logits, mixed))
+    assert not np.asarray(unless_greedy(params_for([(0.0, 0, 1.0, 0.0)] * 4))).any()

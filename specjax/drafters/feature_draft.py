@@ -290,11 +290,7 @@ class FeatureDrafter(Drafter):
                 out = self._head(params, cache, jnp.stack(fed_tokens, 1), jnp.stack(fed_hidden, 1), positions, causal_mask(fed))
                 hidden = out.hidden[:, -1]
                 logits = self._logits(params, hidden)
-        draft_probs = jax.lax.cond(  # [B, D, V]; an all-greedy batch's (zeros) are never read
-            jnp.all(sampling.greedy),
-            lambda: jnp.zeros((batch, depth, self.shape.target_vocab_size), jnp.float32),
-            lambda: self._in_target_vocab(params, jnp.stack(probs, 1)),
-        )
+        draft_probs = sampling_lib.unless_greedy(sampling, lambda: self._in_target_vocab(params, jnp.stack(probs, 1)))  # [B, D, V]
         tokens = jnp.concatenate([ctx.pending[:, None], jnp.stack(drafts, 1)], 1)  # [B, D + 1]
         return Proposal(tree=chain(batch, depth), tokens=tokens, draft_probs=draft_probs, rule="rejection")
 
@@ -394,11 +390,7 @@ class FeatureDrafter(Drafter):
         )
         tokens = self._to_target(params, jnp.take_along_axis(ids, kept, 1))
         kept_probs = lambda: jnp.take_along_axis(jnp.concatenate(pool_probs, 1), kept[:, :, None], 1)  # [B, T, Vd]
-        draft_probs = jax.lax.cond(  # [B, T, V] what each kept node was drawn from; greedy rows never read it
-            jnp.all(sampling.greedy),
-            lambda: jnp.zeros((batch, self.tree_nodes, self.shape.target_vocab_size), jnp.float32),
-            lambda: self._in_target_vocab(params, kept_probs()),
-        )
+        draft_probs = sampling_lib.unless_greedy(sampling, lambda: self._in_target_vocab(params, kept_probs()))  # [B, T, V]
         return Proposal(
             tree=tree, tokens=jnp.concatenate([ctx.pending[:, None], tokens], 1), draft_probs=draft_probs, rule="rejection"
         )

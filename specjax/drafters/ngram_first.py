@@ -19,6 +19,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
+from specjax import sampling as sampling_lib
 from specjax import tree as tree_lib
 from specjax.drafters import eagle3
 from specjax.drafters.base import Drafter, Method, Wrapper, Priors, Proposal, StepContext
@@ -55,11 +56,8 @@ class NgramFirst(Wrapper):
         use_lookup = matched >= self.min_ngram  # [B]
         probe = jax.eval_shape(lambda: self.inner.propose(params, state, key, ctx, sampling)[1])
         sampled = probe.rule == "rejection"
-
-        def one_hot(tokens):  # [B, D] -> [B, D, V]; an all-greedy batch's (zeros) are never read (`verify.greedy`)
-            shape, dtype = probe.draft_probs.shape, probe.draft_probs.dtype
-            return jax.lax.cond(jnp.all(sampling.greedy), lambda: jnp.zeros(shape, dtype),
-                                lambda: jax.nn.one_hot(tokens, shape[-1], dtype=dtype))
+        one_hot = lambda tokens: sampling_lib.unless_greedy(  # [B, D] -> [B, D, V]
+            sampling, lambda: jax.nn.one_hot(tokens, probe.draft_probs.shape[-1], dtype=probe.draft_probs.dtype))
 
         def with_fallback():
             new_state, proposal = self.inner.propose(params, state, key, ctx, sampling)
