@@ -107,23 +107,26 @@ def split_methods(text: str) -> list[MethodSpec]:
     return specs
 
 
-def timed_pass(engine: Engine, batches: list[list[list[int]]], sampling, max_new_tokens: int, seed: int = 0):
-    """One pass over every batch: (decode seconds, decoded tokens, the batches' Stats)."""
-    runs = [engine.generate(batch, sampling, max_new_tokens=max_new_tokens, seed=seed) for batch in batches]
-    return sum(r.decode_s for r in runs), sum(r.num_generated for r in runs), runs
-
-
 def interleaved_passes(engines: dict, batches, sampling, max_new_tokens: int, repeats: int, seed: int = 0) -> dict:
-    """Compile every engine, then `repeats` rounds of one timed pass each: {key: [timed_pass, ...]}.
+    """Compile every engine, then `repeats` passes over every batch:
+    {key: [(decode seconds, decoded tokens, the batches' Stats), ...]}, one entry per pass.
 
-    Interleaving (ar, m1, m2, ar, m1, m2, ...) makes a drifting machine load hit every method alike.
+    Interleaved batch by batch: every engine decodes a batch before any decodes the next, in an
+    order reversed from one batch to the next (ar, m1, m2, then m2, m1, ar, ...). So engines are
+    timed seconds apart, not a whole pass apart, and a machine whose speed drifts (a shared host)
+    moves every method alike, early and late in the order alike.
     """
     for engine in engines.values():
         engine.generate(batches[0], sampling, max_new_tokens=4)  # compile
-    passes: dict = {key: [] for key in engines}
-    for _ in range(repeats):
-        for key, engine in engines.items():
-            passes[key].append(timed_pass(engine, batches, sampling, max_new_tokens, seed))
+    keys = list(engines)
+    passes: dict = {key: [] for key in keys}
+    for round_ in range(repeats):
+        runs: dict = {key: [] for key in keys}
+        for i, batch in enumerate(batches):
+            for key in keys if (round_ * len(batches) + i) % 2 == 0 else keys[::-1]:
+                runs[key].append(engines[key].generate(batch, sampling, max_new_tokens=max_new_tokens, seed=seed))
+        for key in keys:
+            passes[key].append((sum(r.decode_s for r in runs[key]), sum(r.num_generated for r in runs[key]), runs[key]))
     return passes
 
 
@@ -131,7 +134,7 @@ def by_category(passes: list, row_categories: list[str]) -> dict[str, dict]:
     """Per prompt category: tau and acceptance by position over its rows (the last pass), and its
     tokens/s in each pass where every batch holds one category (else None: batches mix them).
 
-    passes: one engine's [(seconds, tokens, runs)] (`timed_pass`); row_categories: each row's
+    passes: one engine's [(seconds, tokens, runs)] (`interleaved_passes`); row_categories: each row's
     category, in the order of the batches' rows."""
     runs = passes[-1][2]
     hist, reached = np.concatenate([r.accepted_hist for r in runs]), np.concatenate([r.reached for r in runs])

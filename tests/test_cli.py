@@ -208,6 +208,27 @@ def test_bench_and_tune_refuse_flags_they_do_not_take(capsys):
 
 
 
+def test_passes_interleave_engines_batch_by_batch_in_alternating_order():
+    calls = []
+
+    class Engine:  # decodes a batch in 1 s per row-token, recording who decoded what
+        def __init__(self, name):
+            self.name = name
+
+        def generate(self, batch, sampling, max_new_tokens, seed=0):
+            calls.append((self.name, batch, max_new_tokens))
+            return types.SimpleNamespace(decode_s=float(len(batch)), num_generated=len(batch) * max_new_tokens)
+
+    batches = [["p0"], ["p1"], ["p2"]]
+    passes = bench.interleaved_passes({k: Engine(k) for k in ("ar", "m1", "m2")}, batches, None, max_new_tokens=8, repeats=2)
+    timed = [(name, batch[0]) for name, batch, n in calls if n == 8]
+    assert [name for name, _, n in calls if n != 8] == ["ar", "m1", "m2"]  # compiled first, outside the timing
+    assert timed[:9] == [("ar", "p0"), ("m1", "p0"), ("m2", "p0"), ("m2", "p1"), ("m1", "p1"), ("ar", "p1"),
+                         ("ar", "p2"), ("m1", "p2"), ("m2", "p2")]
+    assert timed[9:12] == [("m2", "p0"), ("m1", "p0"), ("ar", "p0")]  # the order keeps alternating across passes
+    assert {k: [(s, n, len(runs)) for s, n, runs in v] for k, v in passes.items()} == {k: [(3.0, 24, 3)] * 2 for k in ("ar", "m1", "m2")}
+
+
 def test_figures_by_category_pool_the_rows_of_each_category():
     def run(hist, reached, seconds):  # one batch: [rows, D + 1] calls by accepted drafts, [rows, D] positions verified
         hist, reached = np.array(hist), np.array(reached)
