@@ -116,7 +116,7 @@ def test_every_rendered_command_parses_back_to_its_spec():
 
 @pytest.mark.slow
 def test_measure_picks_at_least_the_default(capsys):
-    text = tune.main(["--task", "code", "--measure", "--measure-top", "1", "--max-new-tokens", "16",
+    text = tune.main(["--task", "code", "--methods", "ngram", "--measure", "--measure-top", "1", "--max-new-tokens", "16",
                       "--repeats", "1", "--max-len", "512", "--num-prompts", "1"])
     rows = dict(re.findall(r"\| (\S+) \| (\d+\.\d+) \| \d+\.\d+x \|", text))
     chosen = re.search(r"\*\*Use `(\S+)`\*\*: measured (\d+\.\d+)", text)
