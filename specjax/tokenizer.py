@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from transformers import AutoTokenizer, PreTrainedTokenizerBase
+from transformers import AutoTokenizer, PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
 # Files transformers builds a tokenizer from; a directory with none of them has no tokenizer.
 TOKENIZER_FILES = (
@@ -58,8 +58,9 @@ class Tokenizer:
     def from_gguf(cls, path: str | Path) -> Tokenizer:
         """The tokenizer and chat template stored in a GGUF file's metadata (works offline)."""
         path = Path(path)
-        try:
-            hf_tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+        try:  # The class AutoTokenizer settles on for a llama GGUF, named directly: AutoTokenizer would
+            # first rebuild the whole model config with transformers' slow GGUF reader (~5 s) to find it.
+            hf_tokenizer = PreTrainedTokenizerFast.from_pretrained(path.parent, gguf_file=path.name)
         except KeyError as exc:  # transformers' GGUF tokenizer reader indexes the metadata it needs
             raise ValueError(f"{path}: no tokenizer in its GGUF metadata (missing {exc})") from exc
         except Exception as exc:

@@ -107,6 +107,32 @@ def test_gguf_quantized_tensor_is_dequantized(tiny_model, tmp_path):
     assert np.max(np.abs(params["layers"][0]["q_proj"] - weight.T)) < 0.01
 
 
+def test_gguf_loading_dequantizes_each_tensor_once(tiny_model, tmp_path, monkeypatch):
+    path = tmp_path / "tiny.gguf"
+    write_gguf(tiny_model, path)
+    dequantized = []
+    dequantize = gguf_loader.dequantize
+    monkeypatch.setattr(gguf_loader, "dequantize", lambda data, kind: dequantized.append(data.shape) or dequantize(data, kind))
+    gguf_loader.load(path)
+    assert len(dequantized) == len(gguf_loader.open_gguf(path).tensors)
+
+
+def test_gguf_metadata_arrays_read_as_the_stock_reader_reads_them(tiny_model, tmp_path):
+    """The checked reader's block reads of string and number arrays give the stock GGUFReader's
+    fields part for part (transformers and our config reader index those parts)."""
+    path = tmp_path / "vocab.gguf"
+    write_gguf(tiny_model, path, tokens=[f"tok{i}" for i in range(96)], token_types=list(range(96)),
+               extra_arrays={"test.empty": [], "test.floats": [0.5, -1.25], "test.bools": [True, False, True]})
+    checked, stock = gguf_loader.open_gguf(path), gguf.GGUFReader(path)
+    assert list(checked.fields) == list(stock.fields)
+    for name, field in stock.fields.items():
+        mine = checked.fields[name]
+        assert (mine.offset, mine.types, list(mine.data)) == (field.offset, field.types, list(field.data)), name
+        assert [(p.dtype, p.tolist()) for p in mine.parts] == [(p.dtype, p.tolist()) for p in field.parts], name
+        assert mine.contents() == field.contents(), name
+    assert checked.fields["tokenizer.ggml.token_type"].contents() == list(range(96))
+
+
 def test_gguf_errors_name_the_problem(tiny_model, tmp_path):
     write_gguf(tiny_model, tmp_path / "missing.gguf", skip="blk.1.ffn_up.weight")
     with pytest.raises(ValueError, match=r"missing tensor blk\.1\.ffn_up\.weight"):
@@ -169,3 +195,19 @@ def test_smollm2_tokenizer_round_trip_and_chat_template():
     assert prompt == "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi there<|im_end|>\n<|im_start|>assistant\n"
     ids = tokenizer.encode(prompt)
     assert ids[0] == 1 and ids.count(1) == 3  # <|im_start|> is BOS here and is not added twice
+
+
+@pytest.mark.slow
+def test_smollm2_tokenizer_is_the_one_auto_tokenizer_builds():
+    """`Tokenizer.from_gguf` names the class directly (AutoTokenizer takes ~5 s more to find it)."""
+    from transformers import AutoTokenizer
+
+    from specjax.tokenizer import load
+
+    path = default_model_path()
+    mine, auto = load(path).hf, AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    assert type(mine) is type(auto) and mine.get_vocab() == auto.get_vocab()
+    assert mine.chat_template == auto.chat_template and mine.all_special_tokens == auto.all_special_tokens
+    texts = ["Hello world", " two  spaces", "def f(x):\n    return x ** 2\n", "Ünïcödé 漢字 🙂", "<|im_start|>user\nhi<|im_end|>\n"]
+    for text in texts:
+        assert mine.encode(text) == auto.encode(text) and mine.decode(mine.encode(text)) == auto.decode(auto.encode(text))
