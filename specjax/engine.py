@@ -34,7 +34,7 @@ from specjax import tree as tree_lib
 from specjax import verify
 from specjax.drafters import adaptive
 from specjax.drafters.autoregressive import Autoregressive
-from specjax.drafters.base import Commit, Drafter, PrefillChunk, Proposal, StepContext, zeros_like_result
+from specjax.drafters.base import Commit, Drafter, PrefillChunk, Proposal, StepContext, run_or_zeros
 from specjax.models import block_matmul, llama
 from specjax.models.config import ModelConfig
 
@@ -325,7 +325,7 @@ class Engine:
         XLA:CPU copies the whole cache twice per step before writing it in place
         (docs/architecture.md, "Two XLA:CPU pitfalls"; `scripts/xla_cpu_pitfalls.py`)."""
         run = lambda: self._draft_and_verify(self.drafter, params, drafter_params, state, keys, ctx, sampling)
-        return jax.lax.cond(jnp.any(state.active), run, lambda: zeros_like_result(run))
+        return run_or_zeros(jnp.any(state.active), run)
 
     def _adaptive_draft_and_verify(self, params, drafter_params, state: DecodeState, keys, ctx, sampling, depth):
         """`_draft_and_verify` at `depth`: one `lax.switch` branch per depth, each returning only

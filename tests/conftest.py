@@ -1,8 +1,9 @@
 """Test-wide setup: four simulated CPU devices (for mesh tests), cheap compilation, exact matmuls,
 and compiled code released after each test module.
 
-XLA's expensive LLVM passes roughly double compile time and buy nothing for tiny test models;
-every test compares computations compiled under the same flags.
+Compilation is most of the suite's time. XLA's expensive LLVM passes roughly double it, and
+XLA:CPU's newer fusion emitters add a third to a tiny engine's decode step (10 s -> 7 s); neither
+buys anything for tiny test models. Every test compares computations compiled under the same flags.
 """
 
 import gc
@@ -10,7 +11,8 @@ import os
 
 os.environ.setdefault(
     "XLA_FLAGS",
-    "--xla_force_host_platform_device_count=4 --xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true",
+    "--xla_force_host_platform_device_count=4 --xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
+    " --xla_cpu_use_fusion_emitters=false",
 )
 
 import jax  # noqa: E402

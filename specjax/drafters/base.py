@@ -127,6 +127,22 @@ def zeros_like_result(fn: Callable[[], Any]) -> Any:
     return jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), jax.eval_shape(fn))
 
 
+def trace_once(fn: Callable[[], Any]) -> tuple[Callable[[], Any], Any]:
+    """(replay, shapes): `fn` traced once, `replay()` emitting its computation again from that
+    trace (without running `fn`'s Python), `shapes` its result's ShapeDtypeStructs. For code that
+    needs a function's result shapes before placing it in a conditional: tracing it a second time
+    for them cost a second of every decode step's compilation."""
+    closed, shapes = jax.make_jaxpr(fn, return_shape=True)()
+    treedef = jax.tree.structure(shapes)
+    return lambda: jax.tree.unflatten(treedef, jax.core.eval_jaxpr(closed.jaxpr, closed.consts)), shapes
+
+
+def run_or_zeros(pred: jax.Array, fn: Callable[[], Any]) -> Any:
+    """`fn()` where `pred` holds, else zeros shaped like its result; `fn` traced once."""
+    replay, shapes = trace_once(fn)
+    return jax.lax.cond(pred, replay, lambda: jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), shapes))
+
+
 class Drafter(abc.ABC):
     """A proposal strategy: a plain Python object holding static config and a `params` pytree.
 

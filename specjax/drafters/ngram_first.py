@@ -22,7 +22,7 @@ import jax.numpy as jnp
 from specjax import sampling as sampling_lib
 from specjax import tree as tree_lib
 from specjax.drafters import eagle3
-from specjax.drafters.base import Drafter, Method, Wrapper, Priors, Proposal, StepContext
+from specjax.drafters.base import Drafter, Method, Priors, Proposal, StepContext, Wrapper, trace_once
 from specjax.drafters.ngram import first_guess_rows, lookup_rows
 from specjax.sampling import SamplingParams
 
@@ -54,13 +54,13 @@ class NgramFirst(Wrapper):
         batch, depth = ctx.pending.shape[0], self.max_depth
         looked_up, matched = lookup_rows(ctx, depth, self.max_ngram, self.min_ngram)  # [B, D], [B]
         use_lookup = matched >= self.min_ngram  # [B]
-        probe = jax.eval_shape(lambda: self.inner.propose(params, state, key, ctx, sampling)[1])
+        inner_propose, (_, probe) = trace_once(lambda: self.inner.propose(params, state, key, ctx, sampling))
         sampled = probe.rule == "rejection"
         one_hot = lambda tokens: sampling_lib.unless_greedy(  # [B, D] -> [B, D, V]
             sampling, lambda: jax.nn.one_hot(tokens, probe.draft_probs.shape[-1], dtype=probe.draft_probs.dtype))
 
         def with_fallback():
-            new_state, proposal = self.inner.propose(params, state, key, ctx, sampling)
+            new_state, proposal = inner_propose()
             tokens = jnp.where(use_lookup[:, None], looked_up, proposal.tokens[:, 1:])  # [B, D]
             if not sampled:
                 return new_state, (tokens, None)
