@@ -121,12 +121,6 @@ class PrefillChunk:
     features: jax.Array | None = None
 
 
-def zeros_like_result(fn: Callable[[], Any]) -> Any:
-    """Zeros shaped like what `fn` returns, without running it: the other branch of a
-    conditional whose outputs must match `fn`'s."""
-    return jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), jax.eval_shape(fn))
-
-
 def trace_once(fn: Callable[[], Any]) -> tuple[Callable[[], Any], Any]:
     """(replay, shapes): `fn` traced once, `replay()` emitting its computation again from that
     trace (without running `fn`'s Python), `shapes` its result's ShapeDtypeStructs. For code that
@@ -137,10 +131,16 @@ def trace_once(fn: Callable[[], Any]) -> tuple[Callable[[], Any], Any]:
     return lambda: jax.tree.unflatten(treedef, jax.core.eval_jaxpr(closed.jaxpr, closed.consts)), shapes
 
 
+def zeros_like(shapes: Any) -> Any:
+    """Zeros for a pytree of ShapeDtypeStructs: the other branch of a conditional whose outputs
+    must match a traced function's."""
+    return jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), shapes)
+
+
 def run_or_zeros(pred: jax.Array, fn: Callable[[], Any]) -> Any:
     """`fn()` where `pred` holds, else zeros shaped like its result; `fn` traced once."""
     replay, shapes = trace_once(fn)
-    return jax.lax.cond(pred, replay, lambda: jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), shapes))
+    return jax.lax.cond(pred, replay, lambda: zeros_like(shapes))
 
 
 class Drafter(abc.ABC):

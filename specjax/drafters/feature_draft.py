@@ -35,7 +35,7 @@ from flax import struct
 
 from specjax import kv_cache as kv
 from specjax import sampling as sampling_lib
-from specjax.drafters.base import Commit, Drafter, PrefillChunk, Proposal, StepContext, zeros_like_result
+from specjax.drafters.base import Commit, Drafter, PrefillChunk, Proposal, StepContext, trace_once, zeros_like
 from specjax.models.config import ModelConfig
 from specjax.models.llama import Taps
 from specjax.tree import Tree, ancestor_mask, causal_mask, chain, pool_size
@@ -252,9 +252,9 @@ class FeatureDrafter(Drafter):
                 return grow(k), grow(v), hidden
             return run
 
-        nothing = lambda: zeros_like_result(read(size))
+        read_all, shapes = trace_once(read(size))
         which = jnp.where(commit.drafts_next, jnp.where(jnp.max(backlog.count) <= path_width, 1, 2), 0)
-        k, v, hidden = jax.lax.switch(which, [nothing, read(min(path_width, size)), read(size)])
+        k, v, hidden = jax.lax.switch(which, [lambda: zeros_like(shapes), read(min(path_width, size)), read_all])
         count = jnp.where(commit.drafts_next, backlog.count, 0)
         state = self._commit_read(state.replace(backlog=backlog), k, v, hidden, count, start)
         return state.replace(backlog=state.backlog.replace(count=backlog.count - count))
