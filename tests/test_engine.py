@@ -13,6 +13,7 @@ import pytest
 from engine_helpers import OracleTreeDrafter, all_drafters, eagle3_drafter, tiny_config, tiny_params
 from specjax import kv_cache as kv
 from specjax.drafters.adaptive import AdaptiveDepth
+from specjax.drafters.base import run_or_zeros, trace_once
 from specjax.drafters.draft_model import DraftModelDrafter
 from specjax import engine as engine_module
 from specjax.engine import Engine, memory_maps
@@ -302,3 +303,29 @@ def test_an_engine_warns_when_the_process_is_short_of_memory_maps(monkeypatch):
 def test_memory_maps_counts_this_process():
     held, cap = memory_maps()
     assert 0 < held < cap
+
+
+def test_trace_once_runs_the_python_once_and_replays_its_computation():
+    """The decode step's conditionals take a function's result shapes from the one trace that
+    also builds its branch: the function's Python runs once per use, its results unchanged."""
+    calls = []
+
+    def fn(x):
+        calls.append(x.shape)
+        return {"double": 2 * x, "norm": jnp.sqrt(jnp.sum(x * x)), "nothing": None}
+
+    @jax.jit
+    def replayed_and_gated(x, pred):
+        replay, shapes = trace_once(lambda: fn(x))
+        assert shapes["double"].shape == x.shape and shapes["norm"].dtype == x.dtype and shapes["nothing"] is None
+        return replay(), run_or_zeros(pred, lambda: fn(x))
+
+    x = jnp.arange(6.0).reshape(2, 3)
+    for pred in (True, False):
+        replayed, gated = replayed_and_gated(x, pred)
+        expected = fn(x)
+        np.testing.assert_array_equal(replayed["double"], expected["double"])
+        np.testing.assert_allclose(replayed["norm"], expected["norm"], rtol=1e-6)
+        np.testing.assert_array_equal(gated["double"], expected["double"] if pred else jnp.zeros_like(x))
+        assert gated["nothing"] is None and float(gated["norm"]) == pytest.approx(float(expected["norm"]) if pred else 0.0)
+    assert len(calls) == 2 + 2  # one trace for each of the two uses (a second call reuses the compilation), 2 eager

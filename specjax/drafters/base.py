@@ -124,8 +124,9 @@ class PrefillChunk:
 def trace_once(fn: Callable[[], Any]) -> tuple[Callable[[], Any], Any]:
     """(replay, shapes): `fn` traced once, `replay()` emitting its computation again from that
     trace (without running `fn`'s Python), `shapes` its result's ShapeDtypeStructs. For code that
-    needs a function's result shapes before placing it in a conditional: tracing it a second time
-    for them cost a second of every decode step's compilation."""
+    needs a function's result shapes before placing it in a conditional: tracing it again for
+    them doubled the Python of a decode step's compilation (SmolLM2's EAGLE-1 step: a 2.7 s trace,
+    where replaying it takes 0.6 s). The program XLA compiles is the same."""
     closed, shapes = jax.make_jaxpr(fn, return_shape=True)()
     treedef = jax.tree.structure(shapes)
     return lambda: jax.tree.unflatten(treedef, jax.core.eval_jaxpr(closed.jaxpr, closed.consts)), shapes
