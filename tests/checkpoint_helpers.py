@@ -49,14 +49,12 @@ def write_gguf(
     q8_0: str | None = None,
     skip_metadata: str | None = None,
     tokens: list[str] | None = None,
-    token_types: list[int] | None = None,
     extra_arrays: dict[str, list] | None = None,
 ) -> None:
     """Write a tiny HF Llama as llama.cpp would: GGUF names, Q/K permuted, F32 (or one Q8_0 tensor).
 
     `skip` leaves out a tensor, `skip_metadata` a `llama.*` key (e.g. "feed_forward_length"),
-    `tokens` adds a `tokenizer.ggml.tokens` array, `token_types` a `tokenizer.ggml.token_type` array,
-    `extra_arrays` more arrays under the keys given.
+    `tokens` adds a `tokenizer.ggml.tokens` array, `extra_arrays` more arrays under the keys given.
     """
     cfg = model.config
     writer = gguf.GGUFWriter(str(path), arch)
@@ -78,8 +76,6 @@ def write_gguf(
             add(value)
     if tokens is not None:
         writer.add_token_list(tokens)
-    if token_types is not None:
-        writer.add_token_types(token_types)
     for key, values in (extra_arrays or {}).items():
         writer.add_array(key, values)
     to_gguf = {

@@ -121,8 +121,9 @@ def test_gguf_metadata_arrays_read_as_the_stock_reader_reads_them(tiny_model, tm
     """The checked reader's block reads of string and number arrays give the stock GGUFReader's
     fields part for part (transformers and our config reader index those parts)."""
     path = tmp_path / "vocab.gguf"
-    write_gguf(tiny_model, path, tokens=[f"tok{i}" for i in range(96)], token_types=list(range(96)),
-               extra_arrays={"test.empty": [], "test.floats": [0.5, -1.25], "test.bools": [True, False, True]})
+    write_gguf(tiny_model, path, tokens=[f"tok{i}" for i in range(96)],
+               extra_arrays={"tokenizer.ggml.token_type": list(range(96)), "test.empty": [], "test.floats": [0.5, -1.25],
+                             "test.bools": [True, False, True]})
     checked, stock = gguf_loader.open_gguf(path), gguf.GGUFReader(path)
     assert list(checked.fields) == list(stock.fields)
     for name, field in stock.fields.items():
