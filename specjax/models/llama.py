@@ -1,7 +1,8 @@
 """The Llama-family target decoder as pure functions over a params pytree.
 
 Params are nested dicts of arrays; matrices are stored [in, out]; `layers` is a list of L
-per-layer dicts, and the layer loop is unrolled:
+per-layer dicts, and the layer loop is unrolled (each layer a call of one nested jit, traced
+once for all of them: docs/architecture.md, "Startup"):
 
     embed_tokens [V, H]      norm [H]      lm_head [H, V] (absent when tie_word_embeddings)
     layers[i]/input_layernorm [H]            layers[i]/post_attention_layernorm [H]
@@ -21,6 +22,7 @@ decides what to `kv_cache.write` and `commit` (the decode-step contract in docs/
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any
 
 import jax
@@ -194,6 +196,17 @@ def _mlp_block(config, w, x, matmuls):
     return block_matmul.dense(gated, w["down_proj"], matmuls)
 
 
+@functools.partial(jax.jit, static_argnames=("config", "chunk_size", "matmuls"))
+def _decoder_layer(w, hidden, layer, positions, cache, block_mask, *, config, chunk_size, matmuls):
+    """One decoder layer: hidden [B, T, H] -> (hidden, k, v). layer: its int32 index in the cache.
+    A nested jit, so every layer's call reuses one trace (and one lowering); XLA inlines the calls,
+    so the compiled step is the unrolled loop's."""
+    inv_freq = rope_frequencies(config)
+    attn_out, k, v = _attention_block(config, w, hidden, layer, positions, inv_freq, cache, block_mask, chunk_size, matmuls)
+    hidden = hidden + attn_out
+    return hidden + _mlp_block(config, w, hidden, matmuls), k, v
+
+
 def forward(
     params: Params,
     config: ModelConfig,
@@ -222,16 +235,14 @@ def forward(
             raise ValueError(f"feature layer {layer} out of range for {config.num_layers} layers")
     if cache is not None:
         chunk_size = min(chunk_size, cache.max_len)
-    inv_freq = rope_frequencies(config)
     hidden = embed(params, tokens)  # [B, T, H]
 
     captured, k_new, v_new = {}, [], []
     for layer, w in enumerate(params["layers"]):
         if layer in feature_layers:
             captured[layer] = hidden
-        attn_out, k, v = _attention_block(config, w, hidden, layer, positions, inv_freq, cache, block_mask, chunk_size, matmuls)
-        hidden = hidden + attn_out
-        hidden = hidden + _mlp_block(config, w, hidden, matmuls)
+        hidden, k, v = _decoder_layer(w, hidden, jnp.int32(layer), positions, cache, block_mask,
+                                      config=config, chunk_size=chunk_size, matmuls=matmuls)
         k_new.append(k)
         v_new.append(v)
     features = jnp.concatenate([captured[layer] for layer in feature_layers], -1) if feature_layers else None  # [B, T, F*H]
