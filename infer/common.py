@@ -10,10 +10,12 @@ from __future__ import annotations
 import argparse
 import math
 
+import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.experimental.compilation_cache import compilation_cache
 
-from specjax import checkpoints
+from specjax import checkpoints, host_cache
 from specjax import tokenizer as tokenizer_lib
 from specjax.drafters.base import BuildContext, Drafter
 from specjax.drafters.base import TREE
@@ -85,6 +87,10 @@ def add_model_args(parser: argparse.ArgumentParser, matmuls: str | None = None) 
                        help="what a method drafts with: a draft model (HF dir / .gguf), or an EAGLE-3, EAGLE-1 or "
                        "Medusa draft directory (default: the shipped one); METHOD=PATH gives it to one method "
                        "(repeatable, e.g. --draft draft=runs/lm --draft eagle3=runs/e3)")
+    model.add_argument("--compile-cache", default=None, metavar="DIR|off",
+                       help="where compiled programs are kept between runs, so a command run again with the same "
+                       "model, method and shapes loads them instead of compiling (default: the xla folder of "
+                       "$SPECJAX_CACHE, else ~/.cache/specjax; off: compile afresh)")
     matmul_help = ("how the target's weight matmuls run: xla, or streamed (XLA:CPU, float32: blocks of 2..8 rows "
                    "through kernels that read each weight once, built with g++ on first use; docs/architecture.md)")
     if matmuls == "several":
@@ -167,7 +173,25 @@ def sampling_params(args: argparse.Namespace, batch_size: int) -> SamplingParams
     return SamplingParams.make(batch_size, args.temperature, args.top_k, args.top_p, args.min_p)
 
 
+#: Bytes the compilation cache keeps before it drops its least recently used programs (SmolLM2's
+#: decode step is about 1 MB there).
+COMPILE_CACHE_BYTES = 1 << 30
+
+
+def use_compile_cache(setting: str | None) -> None:
+    """Point JAX's persistent compilation cache at --compile-cache (a directory, None for the default
+    one, "off" for none): programs that took over a second to compile are written there and loaded
+    by a later run that compiles the same program (same model, method, shapes, XLA flags and jaxlib)."""
+    directory = None if setting == "off" else setting or str(host_cache.directory() / "xla")
+    jax.config.update("jax_compilation_cache_dir", directory)
+    if jax.config.jax_compilation_cache_max_size == -1:  # unless the user sized it
+        jax.config.update("jax_compilation_cache_max_size", COMPILE_CACHE_BYTES)
+    compilation_cache.reset_cache()  # the setting holds even where this process compiled before
+
+
 def load_target(args: argparse.Namespace) -> tuple[ModelConfig, dict, Tokenizer]:
+    """The target's config, weights and tokenizer (--model, --dtype), with --compile-cache in use."""
+    use_compile_cache(args.compile_cache)
     path = args.model or checkpoints.default_model_path()
     config, params = checkpoints.load_model(path, DTYPES[args.dtype])
     if args.max_len > config.max_position_embeddings:

@@ -251,6 +251,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     from specjax.engine import Engine
 
     if args.tiny:
+        common.use_compile_cache(args.compile_cache)
         config, params, tokenizer, texts = tiny_model()
         available = [[text, texts[(i + 3) % len(texts)]] for i, text in enumerate(texts)]
     else:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from transformers import AutoTokenizer, PreTrainedTokenizerBase, PreTrainedTokenizerFast
+from transformers import PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
 # Files transformers builds a tokenizer from; a directory with none of them has no tokenizer.
 TOKENIZER_FILES = (
@@ -48,6 +48,9 @@ class Tokenizer:
             except (OSError, UnicodeDecodeError, json.JSONDecodeError, AttributeError) as exc:
                 raise ValueError(f"{generation_config}: not a valid JSON object ({exc})") from exc
             extra = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
+        # Imported here, not at the top: importing AutoTokenizer imports torch (~3 s).
+        from transformers import AutoTokenizer
+
         try:
             hf_tokenizer = AutoTokenizer.from_pretrained(path)
         except Exception as exc:  # tokenizers and transformers raise many types (OSError, ValueError, Exception)

@@ -1,9 +1,12 @@
 """Test-wide setup: four simulated CPU devices (for mesh tests), cheap compilation, exact matmuls,
-and compiled code released after each test module.
+no persistent compilation cache, and compiled code released after each test module.
 
 Compilation is most of the suite's time. XLA's expensive LLVM passes roughly double it, and
 XLA:CPU's newer fusion emitters add a third to a tiny engine's decode step (10 s -> 7 s); neither
 buys anything for tiny test models. Every test compares computations compiled under the same flags.
+The command lines' persistent compilation cache (`--compile-cache`) stays off here, for the test
+processes and the commands they start: a fresh cache only costs a test run its writes, and a
+user's cache is no place for test programs (tests/test_cli.py turns it on where it is tested).
 """
 
 import gc
@@ -14,6 +17,8 @@ os.environ.setdefault(
     "--xla_force_host_platform_device_count=4 --xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
     " --xla_cpu_use_fusion_emitters=false",
 )
+
+os.environ.setdefault("JAX_ENABLE_COMPILATION_CACHE", "false")
 
 import jax  # noqa: E402
 import pytest  # noqa: E402

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import types
 
 import numpy as np
@@ -160,6 +161,57 @@ def test_max_len_beyond_the_models_positions_is_refused(monkeypatch):
     monkeypatch.setattr(generate.common.checkpoints, "load_model", lambda path, dtype: (config, {}))
     with pytest.raises(ValueError, match="--max-len 8192 exceeds the model's 4096 positions"):
         generate.main(["--max-len", "8192", "--model", "tiny"])
+
+
+def test_a_command_run_again_loads_its_compiled_programs(tmp_path, monkeypatch, caplog):
+    """--compile-cache: the first run writes its compiled programs there; a run that has nothing
+    compiled in memory (as a new process) loads its decode and prefill programs from there instead
+    of compiling them, and generates the same tokens; `off` neither reads nor writes. (The test
+    processes run with JAX's cache off: on here.)"""
+    import logging
+
+    import jax
+    from checkpoint_helpers import tiny_llama, word_tokenizer
+
+    from specjax.engine import Engine
+
+    model = tmp_path / "model"
+    tiny_llama().save_pretrained(model)
+    word_tokenizer().save_pretrained(model)
+    argv = ["--model", str(model), "--raw", "--prompt", "hi there you", "--method", "ngram", "--num-spec", "2",
+            "--max-new-tokens", "6", "--max-len", "64", "--no-stream", "--compile-cache"]
+    outputs = []
+    engine_generate = Engine.generate
+    monkeypatch.setattr(Engine, "generate", lambda *a, **k: outputs.append(engine_generate(*a, **k)) or outputs[-1])
+    caplog.set_level(logging.DEBUG, logger="jax._src.compiler")
+
+    def run(cache: str) -> tuple[list[list[int]], dict[str, set[str]]]:
+        """The tokens generated, and the engine's programs the cache held ("hit") or not ("miss")."""
+        jax.clear_caches()
+        caplog.clear()
+        generate.main(argv + [cache])
+        found = {"hit": set(), "miss": set()}
+        for record in caplog.records:
+            text = record.getMessage().lower()
+            kind = "hit" if "cache hit" in text else "miss" if "cache miss" in text else None
+            found.get(kind, set()).update(p for p in ("jit__decode", "jit__prefill_chunk") if f"'{p}'" in text)
+        return outputs[-1].tokens, found
+
+    cache = tmp_path / "xla"
+    jax.config.update("jax_enable_compilation_cache", True)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)  # this tiny model's programs too
+    try:
+        first, found = run(str(cache))
+        assert found["miss"] == {"jit__decode", "jit__prefill_chunk"} and not found["hit"]
+        assert any(name.startswith("jit__decode") for name in os.listdir(cache))
+        again, found = run(str(cache))
+        assert again == first and found["hit"] == {"jit__decode", "jit__prefill_chunk"} and not found["miss"]
+        written = sorted(os.listdir(cache))
+        unused, found = run("off")
+        assert unused == first and not found["hit"] and sorted(os.listdir(cache)) == written
+    finally:
+        jax.config.update("jax_enable_compilation_cache", False)
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)
 
 
 def test_prompts_file_errors_name_file_and_line(tmp_path):

@@ -6,7 +6,7 @@ twice as long, which is most of what a speculative step costs over a plain one o
 (docs/architecture.md, "Streamed block matmuls"). `block_matmul.cc` holds two kernels that walk
 the weights in memory order once, whatever the number of rows; they are built on first use with
 the host's C++ compiler (`$CXX`, default g++, `-march=native`) into a cache directory
-(`$SPECJAX_CACHE`, default `~/.cache/specjax`) and called through the XLA FFI.
+(`specjax.host_cache`: `$SPECJAX_CACHE`, default `~/.cache/specjax`) and called through the XLA FFI.
 
 Modes (static under jit):
     "xla"       every matmul is XLA's own (the default).
@@ -28,6 +28,8 @@ import tempfile
 from pathlib import Path
 
 import jax
+
+from specjax import host_cache
 import jax.numpy as jnp
 
 MODES = ("xla", "streamed")
@@ -110,7 +112,7 @@ def build() -> Path:
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True).stdout
     key = hashlib.sha256("\0".join([SOURCE.read_text(), compiler, version, " ".join(FLAGS), jax.__version__,
                                     _cpu_flags()]).encode()).hexdigest()[:16]
-    cache = Path(os.environ.get("SPECJAX_CACHE") or Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "specjax")
+    cache = host_cache.directory()
     library = cache / f"block_matmul-{key}.so"
     if library.exists():
         return library
