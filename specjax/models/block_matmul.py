@@ -28,9 +28,9 @@ import tempfile
 from pathlib import Path
 
 import jax
+import jax.numpy as jnp
 
 from specjax import host_cache
-import jax.numpy as jnp
 
 MODES = ("xla", "streamed")
 MAX_ROWS = 8
