@@ -1,13 +1,15 @@
-"""Greedy steps without vocabulary-wide work, against an earlier revision's engine, side by side in one process.
+"""A decode step of this code against an earlier revision's engine, side by side in one process.
 
-An all-greedy batch is verified from the target's argmax tokens alone (`verify.greedy`), drafters
-pick by argmax without building distributions (`sampling.pick`; docs/architecture.md,
-"Exactness rules"). Per method: the decode step of the revision before (its whole engine and drafter,
-imported beside the current one) and of this code, milliseconds, medians of interleaved repeats
-of `--steps` steps decoded from one state per engine (MT-bench prompts, greedy, `--context`
-tokens generated first). Both must emit the same tokens; the script checks it.
+Per method: the decode step of the revision (its whole engine and drafter, imported beside the
+current one) and of this code, milliseconds, medians of interleaved repeats of `--steps` steps
+decoded from one state per engine (MT-bench prompts, greedy, `--context` tokens generated first),
+both with `--matmuls`. Both must emit the same tokens; the script checks it.
 
-    python scripts/greedy_verification.py --baseline a4809c8 --methods ar,ngram:5,eagle3:3,eagle3+ngram:3 --batch-size 1,4
+    python scripts/step_vs_revision.py --baseline a4809c8 --methods ar,ngram:5,eagle3:3,eagle3+ngram:3 --batch-size 1,4
+    python scripts/step_vs_revision.py --baseline 0d02d28 --matmuls streamed --methods eagle3:3,eagle3+ngram:3 --batch-size 1
+
+The first measured greedy steps without vocabulary-wide work (a4809c8 is the engine before them), the
+second a draft head's blocks through the streamed kernels (0d02d28 streams the target's only).
 """
 
 import importlib
@@ -19,13 +21,14 @@ import numpy as np
 
 from infer import common
 from infer import prompts as prompt_sets
+from infer.bench import split_methods
 from revision import baseline_engine_class, baseline_package
 from specjax.engine import Engine
 
-parser = common.parser("greedy_verification.py", __doc__)
-common.add_model_args(parser)
-parser.add_argument("--baseline", required=True, help="git revision before the greedy path")
-parser.add_argument("--methods", default="ar,ngram:5,eagle3:3,eagle3+ngram:3")
+parser = common.parser("step_vs_revision.py", __doc__)
+common.add_model_args(parser, matmuls="one")
+parser.add_argument("--baseline", required=True, help="the git revision to measure against")
+parser.add_argument("--methods", default="ar,ngram:5,eagle3:3,eagle3+ngram:3", help="as infer.bench's (ar is always included)")
 parser.add_argument("--batch-size", type=common.positive_ints, default=[1, 4])
 parser.add_argument("--context", type=int, default=64, help="tokens decoded before timing")
 parser.add_argument("--steps", type=int, default=16)
@@ -38,13 +41,14 @@ old = baseline_package(args.baseline)
 old_registry = importlib.import_module(f"{old}.drafters.registry")
 old_base = importlib.import_module(f"{old}.drafters.base")
 old_sampling = importlib.import_module(f"{old}.sampling")
+matmuls = {} if args.matmuls == "xla" else {"matmuls": args.matmuls}  # revisions before the kernels take no matmuls
 max_len = -(-(max(map(len, prompts)) + args.context + 8 * args.steps + 16) // 256) * 256  # whole attention chunks
 print(f"SmolLM2, greedy, {args.context} tokens decoded before timing; ms per step of {args.steps} steps, "
-      f"median of {args.repeats} interleaved repeats; baseline {args.baseline}")
+      f"median of {args.repeats} interleaved repeats; matmuls {args.matmuls}; baseline {args.baseline}")
 
 for batch in args.batch_size:
     ids = (prompts * batch)[:batch]
-    for label in args.methods.split(","):
+    for label in [spec.label for spec in split_methods(args.methods)]:  # ar first: the run's control
         variants = {}
         for name, engine_cls, registry, base, sampling_lib in (
             (f"{args.baseline}", baseline_engine_class(args.baseline), old_registry, old_base, old_sampling),
@@ -53,7 +57,7 @@ for batch in args.batch_size:
         ):
             spec = registry.MethodSpec.parse(label)
             drafter = spec.build(base.BuildContext(config, params, None, jnp.float32))
-            engine = engine_cls(config, params, drafter, max_len=max_len, eos_ids=())
+            engine = engine_cls(config, params, drafter, max_len=max_len, eos_ids=(), **matmuls)
             sampling = sampling_lib.SamplingParams.make(batch)
             state = engine.admit(engine.init_state(batch), range(batch), ids, args.context + 8 * args.steps + 8)
             state = jax.block_until_ready(engine.decode(state, sampling, args.context))
