@@ -2,14 +2,28 @@
 
 A directory without tokenizer files, a damaged tokenizer file or generation_config.json, and a
 GGUF without (or with unreadable) tokenizer metadata are ValueErrors naming the file.
+
+Building a tokenizer from GGUF metadata goes through transformers' GGUF reader, which imports
+torch (about 4 s of a command's start). The tokenizer built is kept in the host cache
+(`specjax.host_cache`, folder `tokenizers`) as tokenizer files, under a key of the GGUF file
+(resolved path, size, modification time) and the transformers version, and loaded from there
+on the next start.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
+import os
+import shutil
+import tempfile
+import warnings
 from pathlib import Path
 
+import transformers
 from transformers import PreTrainedTokenizerBase, PreTrainedTokenizerFast
+
+from specjax import host_cache
 
 # Files transformers builds a tokenizer from; a directory with none of them has no tokenizer.
 TOKENIZER_FILES = (
@@ -59,8 +73,16 @@ class Tokenizer:
 
     @classmethod
     def from_gguf(cls, path: str | Path) -> Tokenizer:
-        """The tokenizer and chat template stored in a GGUF file's metadata (works offline)."""
+        """The tokenizer and chat template stored in a GGUF file's metadata (works offline), from
+        the host cache when this file's was built before (module doc)."""
         path = Path(path)
+        cached = _gguf_cache_dir(path)
+        if (cached / "tokenizer.json").is_file():
+            try:
+                return cls(PreTrainedTokenizerFast.from_pretrained(cached))
+            except Exception as exc:  # a damaged cache entry is rebuilt from the GGUF file below
+                warnings.warn(f"{cached}: cannot load the cached tokenizer ({type(exc).__name__}: {exc}); rebuilding it from {path}")
+                shutil.rmtree(cached, ignore_errors=True)
         try:  # The class AutoTokenizer settles on for a llama GGUF, named directly: AutoTokenizer would
             # first rebuild the whole model config with transformers' slow GGUF reader (~5 s) to find it.
             hf_tokenizer = PreTrainedTokenizerFast.from_pretrained(path.parent, gguf_file=path.name)
@@ -68,6 +90,7 @@ class Tokenizer:
             raise ValueError(f"{path}: no tokenizer in its GGUF metadata (missing {exc})") from exc
         except Exception as exc:
             raise ValueError(f"{path}: cannot read the tokenizer from its GGUF metadata ({type(exc).__name__}: {exc})") from exc
+        _keep(hf_tokenizer, cached)
         return cls(hf_tokenizer)
 
     @property
@@ -93,6 +116,29 @@ class Tokenizer:
         if not self.hf.chat_template:
             raise ValueError("this tokenizer has no chat template")
         return self.hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+
+
+def _gguf_cache_dir(path: Path) -> Path:
+    """Where the tokenizer of this GGUF file is kept: keyed by the file and the transformers version."""
+    stat = path.stat()
+    key = "\0".join([str(path.resolve()), str(stat.st_size), str(stat.st_mtime_ns), transformers.__version__])
+    return host_cache.directory() / "tokenizers" / hashlib.sha256(key.encode()).hexdigest()[:16]
+
+
+def _keep(hf_tokenizer: PreTrainedTokenizerBase, cached: Path) -> None:
+    """Save the tokenizer's files to `cached`, whole or not at all (a warning where it cannot)."""
+    try:
+        cached.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=cached.parent) as scratch:
+            built = Path(scratch) / cached.name
+            hf_tokenizer.save_pretrained(built)
+            try:
+                os.replace(built, cached)  # atomic
+            except OSError:
+                if not (cached / "tokenizer.json").is_file():  # else a concurrent start kept it first
+                    raise
+    except OSError as exc:
+        warnings.warn(f"cannot keep the tokenizer in {cached} ({exc}); the next start builds it again")
 
 
 def load(path: str | Path) -> Tokenizer:

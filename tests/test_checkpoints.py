@@ -199,6 +199,48 @@ def test_smollm2_tokenizer_round_trip_and_chat_template():
 
 
 @pytest.mark.slow
+def test_a_gguf_tokenizer_is_kept_and_loaded_again_without_its_metadata_or_torch(tmp_path, monkeypatch):
+    import subprocess
+    import sys
+
+    from specjax import tokenizer as tokenizer_lib
+
+    monkeypatch.setenv("SPECJAX_CACHE", str(tmp_path))
+    path = default_model_path()
+    built = tokenizer_lib.load(path)  # from the GGUF metadata, then kept
+    [kept] = (tmp_path / "tokenizers").iterdir()
+    assert (kept / "tokenizer.json").is_file()
+
+    fast = tokenizer_lib.PreTrainedTokenizerFast
+
+    class NoGguf(fast):
+        @classmethod
+        def from_pretrained(cls, *args, **kwargs):
+            assert "gguf_file" not in kwargs, "read the GGUF metadata although the tokenizer was kept"
+            return fast.from_pretrained(*args, **kwargs)
+
+    with monkeypatch.context() as patch:
+        patch.setattr(tokenizer_lib, "PreTrainedTokenizerFast", NoGguf)
+        loaded = tokenizer_lib.load(path)
+    assert type(loaded.hf) is type(built.hf) and loaded.hf.get_vocab() == built.hf.get_vocab()
+    assert loaded.hf.chat_template == built.hf.chat_template and loaded.hf.all_special_tokens == built.hf.all_special_tokens
+    assert loaded.eos_token_ids == built.eos_token_ids == (2,)
+    texts = ["Hello world", " two  spaces", "def f(x):\n    return x ** 2\n", "Ünïcödé 漢字 🙂", loaded.chat_prompt("Hi", system="Be brief.")]
+    for text in texts:
+        assert loaded.encode(text) == built.encode(text) and loaded.decode(loaded.encode(text)) == text
+
+    check = f"import sys; from specjax.tokenizer import load; load({str(path)!r}); print('torch' in sys.modules)"
+    imported = subprocess.run([sys.executable, "-c", check], capture_output=True, text=True, check=True).stdout.split()[-1]
+    assert imported == "False"  # the point of keeping it: transformers' GGUF reader imports torch
+
+    (kept / "tokenizer.json").write_text("{ damaged")
+    with pytest.warns(UserWarning, match="cannot load the cached tokenizer"):
+        rebuilt = tokenizer_lib.load(path)
+    assert rebuilt.encode(texts[3]) == built.encode(texts[3])
+    assert tokenizer_lib.load(path).hf.get_vocab() == built.hf.get_vocab()  # the damaged copy was replaced
+
+
+@pytest.mark.slow
 def test_smollm2_tokenizer_is_the_one_auto_tokenizer_builds():
     """`Tokenizer.from_gguf` names the class directly (AutoTokenizer takes ~5 s more to find it)."""
     from transformers import AutoTokenizer
