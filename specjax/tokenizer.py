@@ -76,6 +76,8 @@ class Tokenizer:
         """The tokenizer and chat template stored in a GGUF file's metadata (works offline), from
         the host cache when this file's was built before (module doc)."""
         path = Path(path)
+        if not path.is_file():
+            raise ValueError(f"{path}: no such GGUF file")
         cached = _gguf_cache_dir(path)
         if (cached / "tokenizer.json").is_file():
             try:

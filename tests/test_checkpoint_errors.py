@@ -172,6 +172,9 @@ def test_gguf_string_arrays_read_as_ggufs_own_reader_reads_them(model, tmp_path)
 def test_gguf_without_tokenizer_metadata_is_named(good_gguf):
     with raises_named(good_gguf, "no tokenizer in its GGUF metadata"):
         tokenizer.load(good_gguf)
+    missing = good_gguf.with_name("missing.gguf")
+    with raises_named(missing, "no such GGUF file"):
+        tokenizer.Tokenizer.from_gguf(missing)
 
 
 # --- Hugging Face safetensors directories ---------------------------------------------------
