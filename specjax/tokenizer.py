@@ -12,11 +12,8 @@ on the next start.
 
 from __future__ import annotations
 
-import hashlib
 import json
-import os
 import shutil
-import tempfile
 import warnings
 from pathlib import Path
 
@@ -123,22 +120,14 @@ class Tokenizer:
 def _gguf_cache_dir(path: Path) -> Path:
     """Where the tokenizer of this GGUF file is kept: keyed by the file and the transformers version."""
     stat = path.stat()
-    key = "\0".join([str(path.resolve()), str(stat.st_size), str(stat.st_mtime_ns), transformers.__version__])
-    return host_cache.directory() / "tokenizers" / hashlib.sha256(key.encode()).hexdigest()[:16]
+    key = host_cache.key(str(path.resolve()), str(stat.st_size), str(stat.st_mtime_ns), transformers.__version__)
+    return host_cache.directory() / "tokenizers" / key
 
 
 def _keep(hf_tokenizer: PreTrainedTokenizerBase, cached: Path) -> None:
     """Save the tokenizer's files to `cached`, whole or not at all (a warning where it cannot)."""
     try:
-        cached.parent.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryDirectory(dir=cached.parent) as scratch:
-            built = Path(scratch) / cached.name
-            hf_tokenizer.save_pretrained(built)
-            try:
-                os.replace(built, cached)  # atomic
-            except OSError:
-                if not (cached / "tokenizer.json").is_file():  # else a concurrent start kept it first
-                    raise
+        host_cache.publish(cached, hf_tokenizer.save_pretrained)
     except OSError as exc:
         warnings.warn(f"cannot keep the tokenizer in {cached} ({exc}); the next start builds it again")
 

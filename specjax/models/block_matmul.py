@@ -18,13 +18,11 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import hashlib
 import math
 import os
 import platform
 import shutil
 import subprocess
-import tempfile
 from pathlib import Path
 
 import jax
@@ -110,20 +108,18 @@ def build() -> Path:
         raise RuntimeError(f"block_matmul='streamed' builds {SOURCE.name} with a C++ compiler; {compiler!r} is not on PATH "
                            "(install g++ or set CXX)")
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True).stdout
-    key = hashlib.sha256("\0".join([SOURCE.read_text(), compiler, version, " ".join(FLAGS), jax.__version__,
-                                    _cpu_flags()]).encode()).hexdigest()[:16]
-    cache = host_cache.directory()
-    library = cache / f"block_matmul-{key}.so"
+    key = host_cache.key(SOURCE.read_text(), compiler, version, " ".join(FLAGS), jax.__version__, _cpu_flags())
+    library = host_cache.directory() / f"block_matmul-{key}.so"
     if library.exists():
         return library
-    cache.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=cache) as scratch:
-        built = Path(scratch) / library.name
+
+    def compile_to(built: Path) -> None:
         command = [compiler, *FLAGS, f"-I{jax.ffi.include_dir()}", str(SOURCE), "-o", str(built)]
         run = subprocess.run(command, capture_output=True, text=True)
         if run.returncode != 0:
             raise RuntimeError(f"building {SOURCE.name} failed ({' '.join(command)}):\n{run.stderr[-4000:]}")
-        os.replace(built, library)  # atomic: a concurrent build leaves one whole library
+
+    host_cache.publish(library, compile_to)  # a concurrent build leaves one whole library
     return library
 
 
