@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from pathlib import Path
 
@@ -195,17 +196,33 @@ def bench_batch_size(engines: dict[str, Engine], batches, args, row_categories: 
     return results
 
 
+def median_interval(values, confidence: float = 0.95) -> tuple[float, float, float]:
+    """A distribution-free confidence interval for the median of `values`: (low, high, coverage).
+
+    Order statistics x_(k) <= x_(n + 1 - k) cover the median with probability 1 - 2 P(Bin(n, 1/2) < k)
+    whatever the distribution; k is the largest whose coverage reaches `confidence`. Below six values
+    no pair reaches 95%: then (min, max) and the lower coverage they have."""
+    x, n = np.sort(np.asarray(values, float)), len(values)
+    below = np.cumsum([math.comb(n, i) for i in range(n + 1)]) / 2.0**n  # below[i] = P(Bin(n, 1/2) <= i)
+    k = 1
+    while k + 1 <= (n + 1) // 2 and 1 - 2 * below[k] >= confidence:
+        k += 1
+    return float(x[k - 1]), float(x[n - k]), float(1 - 2 * below[k - 1])
+
+
 def summarise(results: list[dict]) -> None:
     """Add speedup, cost ratios and the cost-model bound, relative to ar at the same batch size.
 
     The speedup is the median over repeats of each repeat's ratio to ar's pass of the same repeat
-    (the passes are interleaved), so a machine whose speed drifts between repeats moves both alike."""
+    (the passes are interleaved), so a machine whose speed drifts between repeats moves both alike;
+    `speedup_interval` is that median's 95% confidence interval (`median_interval`, wider with few repeats)."""
     baseline = {r["batch_size"]: r for r in results if r["method"] == "ar"}
     for r in results:
         ar = baseline[r["batch_size"]]
         ratios = np.array(r["tokens_per_s_by_repeat"]) / np.array(ar["tokens_per_s_by_repeat"])
         r["speedup_by_repeat"] = ratios.tolist()
         r["speedup"] = float(np.median(ratios))
+        *r["speedup_interval"], r["interval_coverage"] = median_interval(ratios)
         for name, category in r.get("by_category", {}).items():  # speedup per category where batches hold one
             rates, ar_rates = category["tokens_per_s_by_repeat"], ar["by_category"][name]["tokens_per_s_by_repeat"]
             category["speedup"] = None if rates is None else float(np.median(np.array(rates) / np.array(ar_rates)))
@@ -218,14 +235,16 @@ def summarise(results: list[dict]) -> None:
 
 
 def table(results: list[dict]) -> str:
-    header = (f"{'method':<16}{'batch':>6}{'tau':>7}{'tok/s':>9}{'speedup':>9}{'c':>7}{'Tv/Td':>7}{'bound':>7}{'of bound':>9}"
+    header = (f"{'method':<16}{'batch':>6}{'tau':>7}{'tok/s':>9}{'speedup':>9}{'95% CI':>12}{'c':>7}{'Tv/Td':>7}{'bound':>7}{'of bound':>9}"
               f"{'drafted':>9}  acceptance by position")
     lines = [header, "-" * len(header)]
     number = lambda x: "-" if x is None else f"{x:.2f}"
     for r in results:
         accept = " ".join(f"{a:.2f}" for a in r["acceptance_by_position"])
+        low, high = r["speedup_interval"]
+        interval = "-" if r["method"] == "ar" else f"{low:.2f}-{high:.2f}"
         lines.append(
-            f"{r['method']:<16}{r['batch_size']:>6}{r['tau']:>7.2f}{r['tokens_per_s']:>9.1f}{r['speedup']:>9.2f}"
+            f"{r['method']:<16}{r['batch_size']:>6}{r['tau']:>7.2f}{r['tokens_per_s']:>9.1f}{r['speedup']:>9.2f}{interval:>12}"
             f"{r['c']:>7.2f}{r['verify_over_decode']:>7.2f}{number(r['bound']):>7}{number(r['fraction_of_bound']):>9}"
             f"{r['drafting_share']:>9.2f}  {accept}"
         )
@@ -300,9 +319,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
     print(table(results))
     for r in results:
         if r["method"] == CONTROL:
-            low, high = min(r["speedup_by_repeat"]), max(r["speedup_by_repeat"])
-            print(f"batch {r['batch_size']}: {CONTROL}, plain decoding again, ran at {r['speedup']:.3f}x of ar (rounds "
-                  f"{low:.3f}-{high:.3f}): speedups within that spread of 1.0 are not resolved by this run")
+            low, high = r["speedup_interval"]
+            print(f"batch {r['batch_size']}: {CONTROL}, plain decoding again, ran at {r['speedup']:.3f}x of ar "
+                  f"({r['interval_coverage']:.0%} CI {low:.3f}-{high:.3f}): a speedup whose interval holds 1.0 is not resolved by this run")
     if categories is not None:
         print("\nby MT-bench category\n" + category_table(results))
     meta = {k: v for k, v in vars(args).items() if k not in ("method_specs", "compare_drafts")}

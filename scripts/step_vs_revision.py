@@ -7,9 +7,12 @@ both with `--matmuls`. Both must emit the same tokens; the script checks it.
 
     python scripts/step_vs_revision.py --baseline a4809c8 --methods ar,ngram:5,eagle3:3,eagle3+ngram:3 --batch-size 1,4
     python scripts/step_vs_revision.py --baseline 0d02d28 --matmuls streamed --methods eagle3:3,eagle3+ngram:3 --batch-size 1
+    python scripts/step_vs_revision.py --baseline 1314c2a --methods eagle3:auto3,ngram:auto5 --force-depth 0 --batch-size 1,4
 
 The first measured greedy steps without vocabulary-wide work (a4809c8 is the engine before them), the
-second a draft head's blocks through the streamed kernels (0d02d28 streams the target's only).
+second a draft head's blocks through the streamed kernels (0d02d28 streams the target's only), the
+third the depth-0 steps of adaptive methods (every step held at `--force-depth`) before and after the
+EAGLE head's backlog became a ring (1314c2a shifts it every step).
 """
 
 import importlib
@@ -23,6 +26,7 @@ from infer import common
 from infer import prompts as prompt_sets
 from infer.bench import split_methods
 from revision import baseline_engine_class, baseline_package
+from specjax.drafters import adaptive
 from specjax.engine import Engine
 
 parser = common.parser("step_vs_revision.py", __doc__)
@@ -33,6 +37,7 @@ parser.add_argument("--batch-size", type=common.positive_ints, default=[1, 4])
 parser.add_argument("--context", type=int, default=64, help="tokens decoded before timing")
 parser.add_argument("--steps", type=int, default=16)
 parser.add_argument("--repeats", type=int, default=9)
+parser.add_argument("--force-depth", type=int, default=None, help="hold every adaptive (:auto) method at this draft depth")
 args = parser.parse_args()
 
 config, params, tok = common.load_target(args)
@@ -57,6 +62,8 @@ for batch in args.batch_size:
         ):
             spec = registry.MethodSpec.parse(label)
             drafter = spec.build(base.BuildContext(config, params, None, jnp.float32))
+            if args.force_depth is not None and getattr(drafter, "variants", None) is not None:
+                drafter.costs = adaptive.forcing_costs(args.force_depth, drafter.max_depth)
             engine = engine_cls(config, params, drafter, max_len=max_len, eos_ids=(), **matmuls)
             sampling = sampling_lib.SamplingParams.make(batch)
             state = engine.admit(engine.init_state(batch), range(batch), ids, args.context + 8 * args.steps + 8)

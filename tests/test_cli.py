@@ -366,6 +366,22 @@ def test_bench_speedup_is_the_median_of_ratios_within_a_round():
     assert results[0]["speedup"] == pytest.approx(1.0)
 
 
+def test_the_speedup_interval_covers_the_median_as_often_as_it_claims():
+    """Order statistics of a skewed, bursty sample (a machine that is sometimes slow) cover its
+    median at least as often as the stated coverage (>= 95% from six repeats on), and no more
+    than a little above it: a pair one step wider or narrower would miss either way."""
+    rng = np.random.default_rng(0)
+    true_median = 1.0  # of 1 + lognormal bursts that hit half the rounds
+    draw = lambda n: 1.0 + np.where(rng.random(n) < 0.5, -rng.uniform(0.0, 0.05, n), rng.lognormal(-3.0, 1.0, n))
+    for n in (6, 9, 21):
+        coverage = bench.median_interval(draw(n))[2]
+        assert 0.95 <= coverage < 0.99
+        hits = np.mean([low <= true_median <= high for low, high, _ in (bench.median_interval(draw(n)) for _ in range(4000))])
+        assert abs(hits - coverage) < 0.015  # 4000 draws: standard error <= 0.004
+    low, high, coverage = bench.median_interval([0.9, 1.1, 1.0])
+    assert (low, high) == (0.9, 1.1) and coverage == pytest.approx(0.75)  # too few repeats: the range, at 75%
+
+
 @pytest.mark.slow
 def test_bench_writes_table_json_and_plots(tmp_path, capsys):
     out = tmp_path / "bench.json"

@@ -55,11 +55,12 @@ class HeadShape:
 
 @struct.dataclass
 class Backlog:
-    """Committed entries the head has not read yet (`FeatureDrafter.postponing`), in order."""
+    """Committed entries the head has not read yet (`FeatureDrafter.postponing`): a ring, the
+    entry of target position p in slot p mod W, so queueing one writes it and moves nothing."""
 
     features: jax.Array  # [B, W, F] target taps
     tokens: jax.Array  # [B, W] the token after each
-    count: jax.Array  # [B] entries held
+    count: jax.Array  # [B] entries held: a row's newest, up to the position before its pending token
     aligned: jax.Array  # [B] the head's leading cache entries that sit at their own target positions (before any gap)
 
 
@@ -223,30 +224,31 @@ class FeatureDrafter(Drafter):
         return self._queue(params, state, path_features, next_tokens, commit, ctx.lengths + commit.num_committed)
 
     def _queue(self, params, state: FeatureDraftState, path_features, next_tokens, commit: Commit, committed) -> FeatureDraftState:
-        """Queue the path's entries behind the backlog, keeping a row's newest W (the oldest are
-        dropped: the head never reads them), and read the backlog when the next step drafts: in a
-        block of the path's width when it holds no more than the path, else of the whole backlog's
-        width, at the entries' own target positions (committed [B]: the target's length after this
+        """Queue the path's entries (target positions from committed - num_committed) in the
+        backlog's ring, keeping a row's newest W (an older entry's slot is overwritten: the head
+        never reads it), and read the backlog when the next step drafts: in a block of the path's
+        width when it holds no more than the path, else of the whole backlog's width, oldest entry
+        first, at the entries' own target positions (committed [B]: the target's length after this
         step). The reads run in a `lax.switch` and the cache is written after it (a cache carried
         through a conditional is copied on XLA:CPU)."""
         backlog, path_width = state.backlog, path_features.shape[1]
         size = backlog.tokens.shape[1]
         rows = jnp.arange(backlog.count.shape[0])[:, None]
-        dropped = jnp.maximum(backlog.count + commit.num_committed - size, 0)  # [B] oldest entries out
-        kept = jnp.minimum(jnp.arange(size)[None, :] + dropped[:, None], size - 1)  # [B, W]
-        count = backlog.count - dropped
-        slots = count[:, None] + jnp.arange(path_width)  # [B, D + 1]; past the queued ones are overwritten later
+        offsets = jnp.arange(path_width)  # [D + 1]
+        positions = (committed - commit.num_committed)[:, None] + offsets  # [B, D + 1]
+        slots = jnp.where(offsets < commit.num_committed[:, None], positions % size, size)  # uncommitted: dropped
         backlog = backlog.replace(
-            features=backlog.features[rows, kept].at[rows, slots].set(path_features.astype(backlog.features.dtype), mode="drop"),
-            tokens=backlog.tokens[rows, kept].at[rows, slots].set(next_tokens, mode="drop"),
-            count=count + commit.num_committed,
+            features=backlog.features.at[rows, slots].set(path_features.astype(backlog.features.dtype), mode="drop"),
+            tokens=backlog.tokens.at[rows, slots].set(next_tokens, mode="drop"),
+            count=jnp.minimum(backlog.count + commit.num_committed, size),
         )
         start = committed - backlog.count  # [B] target position of each row's oldest queued entry
 
         def read(width):
             def run():
+                oldest_first = (start[:, None] + jnp.arange(width)) % size  # [B, width] slots
                 k, v, hidden = self._read_block(
-                    params, state.cache, backlog.features[:, :width], backlog.tokens[:, :width], backlog.count, start
+                    params, state.cache, backlog.features[rows, oldest_first], backlog.tokens[rows, oldest_first], backlog.count, start
                 )
                 grow = lambda x: jnp.pad(x, [(0, size - width if axis == 2 else 0) for axis in range(x.ndim)])
                 return grow(k), grow(v), hidden
