@@ -23,11 +23,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import sys
 from pathlib import Path
 
 import numpy as np
+import scipy.stats
 from tqdm import tqdm
 
 from infer import common
@@ -203,11 +203,9 @@ def median_interval(values, confidence: float = 0.95) -> tuple[float, float, flo
     whatever the distribution; k is the largest whose coverage reaches `confidence`. Below six values
     no pair reaches 95%: then (min, max) and the lower coverage they have."""
     x, n = np.sort(np.asarray(values, float)), len(values)
-    below = np.cumsum([math.comb(n, i) for i in range(n + 1)]) / 2.0**n  # below[i] = P(Bin(n, 1/2) <= i)
-    k = 1
-    while k + 1 <= (n + 1) // 2 and 1 - 2 * below[k] >= confidence:
-        k += 1
-    return float(x[k - 1]), float(x[n - k]), float(1 - 2 * below[k - 1])
+    coverage = 1 - 2 * scipy.stats.binom.cdf(np.arange((n + 1) // 2), n, 0.5)  # [k - 1] for k = 1 .. (n + 1) // 2, falling
+    k = max(1, int(np.count_nonzero(coverage >= confidence)))
+    return float(x[k - 1]), float(x[n - k]), float(coverage[k - 1])
 
 
 def summarise(results: list[dict]) -> None:

@@ -221,28 +221,28 @@ class FeatureDrafter(Drafter):
         next_tokens = jnp.maximum(commit.emitted, 0)  # [B, D + 1]
         if state.backlog is None:
             return self._read(params, state, path_features, next_tokens, commit.num_committed)
-        return self._queue(params, state, path_features, next_tokens, commit, ctx.lengths + commit.num_committed)
+        return self._queue(params, state, path_features, next_tokens, commit, ctx.lengths)
 
-    def _queue(self, params, state: FeatureDraftState, path_features, next_tokens, commit: Commit, committed) -> FeatureDraftState:
-        """Queue the path's entries (target positions from committed - num_committed) in the
-        backlog's ring, keeping a row's newest W (an older entry's slot is overwritten: the head
-        never reads it), and read the backlog when the next step drafts: in a block of the path's
-        width when it holds no more than the path, else of the whole backlog's width, oldest entry
-        first, at the entries' own target positions (committed [B]: the target's length after this
-        step). The reads run in a `lax.switch` and the cache is written after it (a cache carried
-        through a conditional is copied on XLA:CPU)."""
+    def _queue(self, params, state: FeatureDraftState, path_features, next_tokens, commit: Commit, lengths) -> FeatureDraftState:
+        """Queue the path's entries (at target positions from lengths [B], the target's length
+        before this step) in the backlog's ring, keeping a row's newest W (an older entry's slot is
+        overwritten: the head never reads it), and read the backlog when the next step drafts: in a
+        block of the path's width when it holds no more than the path, else of the whole backlog's
+        width, oldest entry first, at the entries' own target positions. The reads run in a
+        `lax.switch` and the cache is written after it (a cache carried through a conditional is
+        copied on XLA:CPU)."""
         backlog, path_width = state.backlog, path_features.shape[1]
         size = backlog.tokens.shape[1]
         rows = jnp.arange(backlog.count.shape[0])[:, None]
         offsets = jnp.arange(path_width)  # [D + 1]
-        positions = (committed - commit.num_committed)[:, None] + offsets  # [B, D + 1]
+        positions = lengths[:, None] + offsets  # [B, D + 1]
         slots = jnp.where(offsets < commit.num_committed[:, None], positions % size, size)  # uncommitted: dropped
         backlog = backlog.replace(
             features=backlog.features.at[rows, slots].set(path_features.astype(backlog.features.dtype), mode="drop"),
             tokens=backlog.tokens.at[rows, slots].set(next_tokens, mode="drop"),
             count=jnp.minimum(backlog.count + commit.num_committed, size),
         )
-        start = committed - backlog.count  # [B] target position of each row's oldest queued entry
+        start = lengths + commit.num_committed - backlog.count  # [B] target position of each row's oldest queued entry
 
         def read(width):
             def run():
