@@ -173,6 +173,8 @@ class Engine:
             raise ValueError(f"max_len {max_len} must be a multiple of the attention chunk {self.attention_chunk}")
         self.eos_ids = tuple(config.eos_token_ids if eos_ids is None else eos_ids)
         block_matmul.check(matmuls, params)
+        if matmuls == "streamed":  # the kernels stream an [H, V] head in memory order
+            self.config, self.params = llama.with_untied_head(config, params)
         self.matmuls = matmuls
         self.num_nodes, self.max_depth = self.drafter.num_nodes, self.drafter.max_depth
         self.drafter_params = self.drafter.params

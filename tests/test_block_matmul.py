@@ -22,10 +22,9 @@ from specjax.tree import causal_mask
 @pytest.mark.parametrize("width, outputs", [(576, 1536), (13, 37), (300, 1030)])  # tails past 8 lanes, register tiles and row chunks; row parts for two threads
 def test_kernels_equal_float64_matmuls(rows, width, outputs):
     rng = np.random.default_rng(rows * width)
-    x, w, e = (rng.normal(size=shape).astype(np.float32) for shape in ((rows, width), (width, outputs), (outputs, width)))
-    rows_out = jax.jit(lambda x, w: block_matmul.dense(x, w, "streamed"))(x, w)
-    dots_out = jax.jit(lambda x, e: block_matmul.tied_head(x, e, "streamed"))(x, e)
-    for got, want in ((rows_out, x.astype(np.float64) @ w), (dots_out, x.astype(np.float64) @ e.T.astype(np.float64))):
+    x, w = (rng.normal(size=shape).astype(np.float32) for shape in ((rows, width), (width, outputs)))
+    for got in (jax.jit(lambda x, w: block_matmul.dense(x, w, "streamed"))(x, w), jax.jit(lambda x, w: block_matmul.head(x, w, "streamed"))(x, w)):
+        want = x.astype(np.float64) @ w
         assert got.shape == want.shape and got.dtype == jnp.float32
         np.testing.assert_allclose(got, want, rtol=0, atol=1e-5 * np.abs(want).max())
 
@@ -53,14 +52,25 @@ def test_the_target_forward_streams_every_weight_matmul_and_agrees(tied):
     params = llama.init_params(config, jax.random.key(0))
     tokens = jnp.asarray([[3, 9, 27, 81 % 96]], jnp.int32)  # [B=1, T=4]
     positions = jnp.arange(4)[None]
-    forward = lambda matmuls: lambda params: llama.forward(params, config, tokens, positions, None, causal_mask(4), matmuls=matmuls).logits
-    assert kernel_calls(forward("streamed"), params) == 7 * config.num_layers + 1  # q k v o gate up down per layer, the head
-    np.testing.assert_allclose(forward("streamed")(params), forward("xla")(params), rtol=0, atol=1e-5)
+    forward = lambda config, matmuls: lambda params: llama.forward(
+        params, config, tokens, positions, None, causal_mask(4), matmuls=matmuls
+    ).logits
+    untied_config, untied_params = llama.with_untied_head(config, params)  # what the engine streams
+    assert untied_params["lm_head"].shape == (config.hidden_size, config.vocab_size) and not untied_config.tie_word_embeddings
+    streamed = forward(untied_config, "streamed")
+    assert kernel_calls(streamed, untied_params) == 7 * config.num_layers + 1  # q k v o gate up down per layer, the head
+    np.testing.assert_allclose(streamed(untied_params), forward(config, "xla")(params), rtol=0, atol=1e-5)
+    if tied:  # the embedding's [V, H] rows are XLA's to read
+        assert kernel_calls(forward(config, "streamed"), params) == 7 * config.num_layers
 
 
-def test_greedy_speculative_decoding_through_the_kernels_equals_plain_decoding():
+@pytest.mark.parametrize("tied", [False, True])
+def test_greedy_speculative_decoding_through_the_kernels_equals_plain_decoding(tied):
     config = tiny_config(num_layers=4)
     params = tiny_params(config, seed=0, scale=30.0)
+    if tied:  # the sharpened head as the embedding too
+        config = dataclasses.replace(config, tie_word_embeddings=True)
+        params = {name: value for name, value in params.items() if name != "lm_head"} | {"embed_tokens": params["lm_head"].T}
     prompts = [[5, 6, 7, 8, 5, 6, 7, 8, 5, 6], [11, 12, 13]]
     plain = [Engine(config, params, max_len=64).generate([p], max_new_tokens=24).tokens[0] for p in prompts]
     for drafter in (eagle3_drafter(config, params, depth=3), NgramDrafter(num_draft=3)):

@@ -3,11 +3,10 @@
 // A verification block of T tokens multiplies T rows by every weight matrix of the target. At one
 // row XLA emits a matrix-vector loop that streams each weight once; at 2..8 rows it calls a
 // library GEMM that takes about twice as long for the same weights (docs/architecture.md,
-// "Streamed block matmuls"). Both kernels here read each weight once, in a few sequential
+// "Streamed block matmuls"). The kernel here reads each weight once, in a few sequential
 // streams, with the rows' sums in registers. Built by specjax/models/block_matmul.py with the host's g++.
 //
-//   Rows:   out[M, N] = x[M, K] @ w[K, N]       (projections; an untied LM head)
-//   RowDot: out[M, V] = x[M, H] @ e[V, H]^T     (a tied LM head: the embedding's rows)
+//   Rows:   out[M, N] = x[M, K] @ w[K, N]       (projections; the LM head, a tied one as its own [H, V] copy)
 
 #include <algorithm>
 #include <atomic>
@@ -63,26 +62,6 @@ void rows(const float* x, const float* w, float* out, int64_t K, int64_t N, int6
     for (; n < N; ++n)
       for (int64_t k = k0; k < k1; ++k)
         for (int m = 0; m < M; ++m) out[m * N + n] += x[m * K + k] * w[k * N + n];
-  }
-}
-
-// out[M, v] = x[M, H] . e[v, H] for v in [v_begin, v_end): each embedding row read once against all M rows.
-template <int M>
-void row_dots(const float* x, const float* e, float* out, int64_t H, int64_t V, int64_t v_begin, int64_t v_end) {
-  const int64_t vector_end = H - H % 8;
-  for (int64_t v = v_begin; v < v_end; ++v) {
-    const float* row = e + v * H;
-    v8 acc[M] = {};
-    for (int64_t h = 0; h < vector_end; h += 8) {
-      const v8 a = load8(row + h);
-      for (int m = 0; m < M; ++m) acc[m] += a * load8(x + m * H + h);
-    }
-    for (int m = 0; m < M; ++m) {
-      float sum = 0;
-      for (int lane = 0; lane < 8; ++lane) sum += acc[m][lane];
-      for (int64_t h = vector_end; h < H; ++h) sum += row[h] * x[m * H + h];
-      out[m * V + v] = sum;
-    }
   }
 }
 
@@ -148,25 +127,9 @@ ffi::Error RowsImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<f
   return ffi::Error::Success();
 }
 
-ffi::Error RowDotImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> e, ffi::ResultBuffer<ffi::F32> out) {
-  const int64_t num_rows = x.dimensions()[0], H = x.dimensions()[1], V = e.dimensions()[0];
-  if (num_rows < 2 || num_rows > 8) return ffi::Error::InvalidArgument("streamed block matmuls take 2..8 rows");
-  if (e.dimensions()[1] != H) return ffi::Error::InvalidArgument("x [M, H] @ e [V, H]^T: H differs");
-  const float *xp = x.typed_data(), *ep = e.typed_data();
-  float* op = out->typed_data();
-  in_parts(pool, V, num_parts(pool, V, V * H), [=](int64_t, int64_t begin, int64_t end) { SPECJAX_FOR_ROWS(row_dots, xp, ep, op, H, V, begin, end) });
-  return ffi::Error::Success();
-}
-
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(SpecjaxRows, RowsImpl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>());
-XLA_FFI_DEFINE_HANDLER_SYMBOL(SpecjaxRowDot, RowDotImpl,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()

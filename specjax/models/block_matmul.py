@@ -3,10 +3,12 @@
 A verification block of T tokens (batch 1) multiplies T rows by every weight of the target. At
 one row XLA:CPU streams each weight once; at 2..8 rows it calls a library GEMM that takes about
 twice as long, which is most of what a speculative step costs over a plain one on a CPU
-(docs/architecture.md, "Streamed block matmuls"). `block_matmul.cc` holds two kernels that walk
-the weights in memory order once, whatever the number of rows; they are built on first use with
-the host's C++ compiler (`$CXX`, default g++, `-march=native`) into a cache directory
-(`specjax.host_cache`: `$SPECJAX_CACHE`, default `~/.cache/specjax`) and called through the XLA FFI.
+(docs/architecture.md, "Streamed block matmuls"). `block_matmul.cc` holds a kernel that walks
+an [K, N] weight in memory order once, whatever the number of rows (a tied LM head streams as its
+own [H, V] copy, `llama.with_untied_head`, which the engine makes in this mode); it is built on
+first use with the host's C++ compiler (`$CXX`, default g++, `-march=native`) into a cache
+directory (`specjax.host_cache`: `$SPECJAX_CACHE`, default `~/.cache/specjax`) and called through
+the XLA FFI.
 
 Modes (static under jit):
     "xla"       every matmul is XLA's own (the default).
@@ -57,21 +59,20 @@ def dense(x: jax.Array, w: jax.Array, mode: str) -> jax.Array:
     """x [..., K] @ w [K, N] -> [..., N]."""
     if not _streams(mode, x, w):
         return x @ w
-    return _call("specjax_rows", x, w, w.shape[1])
+    return _call(x, w)
 
 
 def head(x: jax.Array, lm_head: jax.Array, mode: str) -> jax.Array:
     """x [..., H] @ lm_head [H, V] -> float32 logits [..., V]."""
     if not _streams(mode, x, lm_head):
         return jnp.einsum("...h,hv->...v", x, lm_head, preferred_element_type=jnp.float32)
-    return _call("specjax_rows", x, lm_head, lm_head.shape[1])
+    return _call(x, lm_head)
 
 
-def tied_head(x: jax.Array, embed: jax.Array, mode: str) -> jax.Array:
-    """x [..., H] against the embedding's rows embed [V, H] -> float32 logits [..., V]."""
-    if not _streams(mode, x, embed):
-        return jnp.einsum("...h,vh->...v", x, embed, preferred_element_type=jnp.float32)
-    return _call("specjax_row_dot", x, embed, embed.shape[0])
+def tied_head(x: jax.Array, embed: jax.Array) -> jax.Array:
+    """x [..., H] against the embedding's rows embed [V, H] -> float32 logits [..., V] (XLA's: the
+    kernels stream an [H, V] head, `llama.with_untied_head`)."""
+    return jnp.einsum("...h,vh->...v", x, embed, preferred_element_type=jnp.float32)
 
 
 def _check_mode(mode: str) -> None:
@@ -85,20 +86,23 @@ def _streams(mode: str, x: jax.Array, w: jax.Array) -> bool:
     return mode == "streamed" and 2 <= math.prod(x.shape[:-1]) <= MAX_ROWS and x.dtype == w.dtype == jnp.float32
 
 
-def _call(target: str, x: jax.Array, w: jax.Array, width: int) -> jax.Array:
-    """x [..., K] as [M, K] rows through the kernel `target` -> [..., width] float32."""
-    _register()
+def _call(x: jax.Array, w: jax.Array) -> jax.Array:
+    """x [..., K] as [M, K] rows through the kernel -> x @ w [..., N] float32."""
     rows = x.reshape(-1, x.shape[-1])  # [M, K]
-    result = jax.ShapeDtypeStruct((rows.shape[0], width), jnp.float32)
-    out = jax.ffi.ffi_call(target, result, vmap_method="sequential")(rows, w)  # [M, width]
-    return out.reshape(*x.shape[:-1], width)
+    result = jax.ShapeDtypeStruct((rows.shape[0], w.shape[1]), jnp.float32)
+    out = jax.ffi.ffi_call(_register(), result, vmap_method="sequential")(rows, w)  # [M, N]
+    return out.reshape(*x.shape[:-1], w.shape[1])
 
 
 @functools.cache
-def _register() -> None:
-    library = ctypes.cdll.LoadLibrary(str(build()))
-    jax.ffi.register_ffi_target("specjax_rows", jax.ffi.pycapsule(library.SpecjaxRows), platform="cpu")
-    jax.ffi.register_ffi_target("specjax_row_dot", jax.ffi.pycapsule(library.SpecjaxRowDot), platform="cpu")
+def _register() -> str:
+    """The kernel's FFI target, registered once: named after its build, so another build of it (an
+    earlier revision's, measured beside this one) can be registered in the same process."""
+    path = build()
+    library = ctypes.cdll.LoadLibrary(str(path))
+    target = "specjax_rows_" + path.stem.removeprefix("block_matmul-")
+    jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(library.SpecjaxRows), platform="cpu")
+    return target
 
 
 def build() -> Path:

@@ -156,11 +156,23 @@ def output_head(params: Params, config: ModelConfig) -> jax.Array:
     return params["embed_tokens"].T if config.tie_word_embeddings else params["lm_head"]
 
 
+def with_untied_head(config: ModelConfig, params: Params) -> tuple[ModelConfig, Params]:
+    """The same model with its output head as its own [H, V] matrix: a tied embedding is copied,
+    transposed, into `lm_head` (the embedding's size again in memory). Matmuls stream an [H, V]
+    head in memory order, where the embedding's [V, H] rows are read across: on XLA:CPU one row's
+    logits take 0.8x the time, and the streamed kernels' blocks about half (docs/architecture.md,
+    "Streamed block matmuls")."""
+    if not config.tie_word_embeddings:
+        return config, params
+    head = params["embed_tokens"].T  # [H, V], a new buffer in that layout (jax arrays have no strides)
+    return dataclasses.replace(config, tie_word_embeddings=False), {**params, "lm_head": head}
+
+
 def project_logits(params: Params, config: ModelConfig, normed: jax.Array, matmuls: str = "xla") -> jax.Array:
     """Output projection alone: final-normed hidden [B, T, H] -> float32 logits [B, T, V].
     matmuls: a `block_matmul` mode."""
     if config.tie_word_embeddings:
-        return block_matmul.tied_head(normed, params["embed_tokens"], matmuls)
+        return block_matmul.tied_head(normed, params["embed_tokens"])
     return block_matmul.head(normed, params["lm_head"], matmuls)
 
 
