@@ -288,7 +288,7 @@ class Engine:
                 return verify.chain(key, proposal.tokens[:, 1:], proposal.draft_probs, target_probs, sampling)
             return verify.sampled_tree(key, proposal.tree, proposal.tokens, proposal.draft_probs, target_probs, sampling)
 
-        greedy = lambda: verify.greedy(proposal.tree, proposal.tokens, jnp.argmax(logits, axis=-1).astype(jnp.int32))
+        greedy = lambda: verify.greedy(proposal.tree, proposal.tokens, sampling_lib.argmax(logits))
         return jax.lax.cond(jnp.all(sampling.greedy), greedy, by_rule)
 
     def _target_over(self, params, cache: kv.KVCache, proposal: Proposal) -> tuple[llama.ForwardOutput, dict]:

@@ -103,6 +103,17 @@ def _filter_sorted(logits: jax.Array, params: SamplingParams) -> jax.Array:
     return jnp.where(keep, logits, -jnp.inf)
 
 
+def argmax(logits: jax.Array) -> jax.Array:
+    """`jnp.argmax(logits, axis=-1)` as int32 (the first of equal maxima; the first NaN if any), in
+    two plain reductions: XLA:CPU runs argmax's (value, index) reduction one element at a time,
+    but vectorizes a max and a min. Over SmolLM2's 49,152 logits of a 4-token block, 0.22 ms
+    instead of 0.56 (docs/architecture.md, "Exactness rules")."""
+    top = jnp.max(logits, axis=-1, keepdims=True)  # NaN where the row holds one
+    hit = (logits == top) | jnp.isnan(logits)
+    index = jax.lax.broadcasted_iota(jnp.int32, logits.shape, logits.ndim - 1)
+    return jnp.min(jnp.where(hit, index, logits.shape[-1]), axis=-1)
+
+
 def probs(logits: jax.Array, params: SamplingParams) -> jax.Array:
     """Processed probabilities q from raw logits.
 
@@ -119,7 +130,7 @@ def probs(logits: jax.Array, params: SamplingParams) -> jax.Array:
     min_keep = sampled >= _expand(params.min_p, logits) * jnp.max(sampled, axis=-1, keepdims=True)
     sampled = jnp.where(min_keep, sampled, 0.0)
     sampled = sampled / jnp.sum(sampled, axis=-1, keepdims=True)
-    one_hot = jax.nn.one_hot(jnp.argmax(logits, axis=-1), logits.shape[-1], dtype=jnp.float32)
+    one_hot = jax.nn.one_hot(argmax(logits), logits.shape[-1], dtype=jnp.float32)
     return jnp.where(greedy, one_hot, sampled)
 
 
@@ -147,5 +158,5 @@ def pick(key: jax.Array, logits: jax.Array, params: SamplingParams) -> tuple[jax
         q = probs(logits, params)
         return sample(key, q), q
 
-    greedy = lambda: (jnp.argmax(logits, axis=-1).astype(jnp.int32), jnp.zeros(logits.shape, jnp.float32))
+    greedy = lambda: (argmax(logits), jnp.zeros(logits.shape, jnp.float32))
     return jax.lax.cond(jnp.all(params.greedy), greedy, sampled)

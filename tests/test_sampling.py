@@ -1,4 +1,4 @@
-"""sampling.probs against a plain numpy reference, row by row; greedy rows; row independence."""
+"""sampling.probs against a plain numpy reference, row by row; greedy rows; argmax; row independence."""
 
 from __future__ import annotations
 
@@ -84,6 +84,19 @@ def test_greedy_rows_are_one_hot_argmax():
     for row in (0, 1, 3):
         np.testing.assert_array_equal(result[row], np.eye(VOCAB)[logits[row].argmax()])
     assert (result[2] > 0).all()
+
+
+def test_argmax_is_numpys_first_maximum_with_ties_nans_and_infinities():
+    rng = np.random.default_rng(3)
+    logits = rng.integers(-3, 4, size=(6, 5, 300)).astype(np.float32)  # many ties
+    logits[0, 0] = -np.inf  # a row of -inf: index 0
+    logits[1, 2, [7, 50]] = np.nan  # the first NaN wins, as in numpy and jnp.argmax
+    logits[2, 3, 299] = np.inf
+    logits[3, 1, [0, 299]] = 9.0  # the maximum at both ends
+    for rows in (logits, logits.reshape(30, 300), logits[1, 2]):
+        got = jax.jit(sampling.argmax)(jnp.asarray(rows))
+        assert got.dtype == jnp.int32
+        np.testing.assert_array_equal(got, np.argmax(rows, axis=-1))
 
 
 def test_rows_are_independent():
