@@ -69,12 +69,6 @@ def head(x: jax.Array, lm_head: jax.Array, mode: str) -> jax.Array:
     return _call(x, lm_head)
 
 
-def tied_head(x: jax.Array, embed: jax.Array) -> jax.Array:
-    """x [..., H] against the embedding's rows embed [V, H] -> float32 logits [..., V] (XLA's: the
-    kernels stream an [H, V] head, `llama.with_untied_head`)."""
-    return jnp.einsum("...h,vh->...v", x, embed, preferred_element_type=jnp.float32)
-
-
 def _check_mode(mode: str) -> None:
     if mode not in MODES:
         raise ValueError(f"block_matmul must be one of {MODES}, got {mode!r}")
