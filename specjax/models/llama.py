@@ -164,7 +164,7 @@ def with_untied_head(config: ModelConfig, params: Params) -> tuple[ModelConfig, 
     kernel that read the embedding's rows took (docs/architecture.md, "Streamed block matmuls")."""
     if not config.tie_word_embeddings:
         return config, params
-    head = params["embed_tokens"].T  # [H, V], a new buffer in that layout (jax arrays have no strides)
+    head = output_head(params, config)  # [H, V], a new buffer in that layout (jax arrays have no strides)
     return dataclasses.replace(config, tie_word_embeddings=False), {**params, "lm_head": head}
 
 
