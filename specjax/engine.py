@@ -145,7 +145,8 @@ class Engine:
     """Generation for one target model and one drafter (default: plain autoregressive).
 
     matmuls: how the target's weight matmuls run (`models.block_matmul`): "xla", or "streamed"
-    (on XLA:CPU, verification blocks of 2..8 rows through kernels that read each weight once).
+    (on XLA:CPU, verification blocks of 2..8 rows through kernels that read each weight once;
+    the drafter's own matmuls follow, `Drafter.with_matmuls`: an EAGLE-3 head's in bfloat16).
     """
 
     def __init__(
@@ -175,6 +176,7 @@ class Engine:
         block_matmul.check(matmuls, params)
         if matmuls == "streamed":  # the kernels stream an [H, V] head in memory order
             self.config, self.params = llama.with_untied_head(config, params)
+        self.drafter = self.drafter.with_matmuls(matmuls)
         self.matmuls = matmuls
         self.num_nodes, self.max_depth = self.drafter.num_nodes, self.drafter.max_depth
         self.drafter_params = self.drafter.params

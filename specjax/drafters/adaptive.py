@@ -176,12 +176,16 @@ class AdaptiveDepth(Wrapper):
         depth = drafter.max_depth
         if drafter.propose_changes_state:
             raise ValueError(f"{type(drafter).__name__} writes its state while drafting: its draft length cannot vary per step")
+        self.source = drafter
         drafter = drafter.postponing(POSTPONE_STEPS)
         self.variants = tuple(drafter.at_depth(d) for d in range(depth + 1))
         super().__init__(self.variants[-1])
         if costs is not None and np.shape(costs) != (depth + 1,):
             raise ValueError(f"costs must have one entry per depth 0 .. {depth}, got shape {np.shape(costs)}")
         self.costs = None if costs is None else np.asarray(costs, np.float32)
+
+    def with_matmuls(self, mode: str) -> AdaptiveDepth:
+        return AdaptiveDepth(self.source.with_matmuls(mode), self.costs)  # every variant from the one drafter
 
     def propose(self, params, state, key, ctx, sampling):
         return self.inner.propose(params, state, key, ctx, sampling)

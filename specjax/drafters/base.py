@@ -256,6 +256,11 @@ class Drafter(abc.ABC):
         block, before it drafts again. Default: itself (its update has nothing worth postponing)."""
         return self
 
+    def with_matmuls(self, mode: str) -> Drafter:
+        """This drafter with its own weight matmuls in the engine's `block_matmul` mode (its params
+        may change with it: read `params` again). Default: itself (XLA serves its matmuls as well)."""
+        return self
+
 
 class ChainDrafter(Drafter):
     """A drafter proposing a chain of `num_draft` tokens: N = num_draft + 1 nodes."""
@@ -332,6 +337,12 @@ class Wrapper(Drafter):
         postponing = copy.copy(self)
         postponing.inner = self.inner.postponing(steps)
         return postponing
+
+    def with_matmuls(self, mode: str) -> Wrapper:
+        variant = copy.copy(self)
+        variant.inner = self.inner.with_matmuls(mode)
+        variant.params = variant.inner.params
+        return variant
 
 
 @dataclasses.dataclass(frozen=True)

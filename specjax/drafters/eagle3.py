@@ -7,15 +7,17 @@ and the tree grower are shared with EAGLE-1 (drafters/feature_draft.py).
 
 from __future__ import annotations
 
+import copy
 import importlib.resources
 from pathlib import Path
 
 import jax
+import jax.numpy as jnp
 
 from specjax.checkpoints.eagle3 import load_eagle3
 from specjax.drafters.base import TREE, Method, Priors
 from specjax.drafters.feature_draft import FeatureDrafter, HeadShape
-from specjax.models import eagle3
+from specjax.models import block_matmul, eagle3
 from specjax.models.llama import Taps
 
 
@@ -46,6 +48,24 @@ class Eagle3Drafter(FeatureDrafter):
         super().__init__(shape, Taps(layer_inputs=tuple(feature_layers)), depth=depth, top_k=top_k, tree_nodes=tree_nodes, chunk_size=chunk_size)
         self.head_config = head_config
         self.params = {"head": head_params, "d2t": vocab.d2t, "embed_tokens": embed_tokens}
+        self.matmuls = "xla"  # the head's `block_matmul` mode (`with_matmuls`)
+
+    def with_matmuls(self, mode: str) -> Eagle3Drafter:
+        """Under "streamed" the head's matrices are held in bfloat16, as EAGLE-3 drafts are trained and
+        stored (a float32 checkpoint's are rounded), and stream through the kernel with float32
+        activations: half the bytes, and the whole head stays in a CPU's last-level cache between
+        the forwards of a chain (docs/architecture.md, "Streamed block matmuls")."""
+        if mode == self.matmuls:
+            return self
+        if self.matmuls != "xla":
+            raise ValueError(f"this EAGLE-3 drafter's matmuls are already {self.matmuls!r}")
+        head = self.params["head"]
+        if mode == "streamed":
+            head = {name: w.astype(jnp.bfloat16) if w.ndim == 2 else w for name, w in head.items()}
+        block_matmul.check(mode, {name: w for name, w in head.items() if w.ndim == 2}, weight_dtype="bfloat16")
+        variant = copy.copy(self)
+        variant.matmuls, variant.params = mode, self.params_with_head(head)
+        return variant
 
     def params_with_head(self, head_params: eagle3.Params):
         """This drafter's params pytree with other head weights (e.g. a draft being trained)."""
@@ -53,19 +73,20 @@ class Eagle3Drafter(FeatureDrafter):
 
     @property
     def dtype(self):
-        return self.params["head"]["fc"].dtype
+        return eagle3.activation_dtype(self.params["head"])
 
     def _head(self, params, cache, tokens, hidden, positions, block_mask) -> eagle3.Eagle3Output:
         embeddings = params["embed_tokens"][tokens]  # [B, T, H]
         return eagle3.forward(
-            params["head"], self.head_config, embeddings, hidden, positions, cache, block_mask, chunk_size=self.chunk_size
+            params["head"], self.head_config, embeddings, hidden, positions, cache, block_mask,
+            chunk_size=self.chunk_size, matmuls=self.matmuls,
         )
 
     def _logits(self, params, hidden):
-        return eagle3.head_logits(params["head"], self.head_config, hidden)
+        return eagle3.head_logits(params["head"], self.head_config, hidden, self.matmuls)
 
     def _project(self, params, features):
-        return eagle3.project_features(params["head"], features)
+        return eagle3.project_features(params["head"], features, self.matmuls)
 
     def _to_target(self, params, draft_ids):
         return eagle3.draft_to_target(draft_ids, params["d2t"])

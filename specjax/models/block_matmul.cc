@@ -1,12 +1,16 @@
-// Matmuls of a few rows (2..8) that read each weight once, for XLA:CPU through the XLA FFI.
+// Matmuls of a few rows (1..8) that read each weight once, for XLA:CPU through the XLA FFI.
 //
 // A verification block of T tokens multiplies T rows by every weight matrix of the target. At one
 // row XLA emits a matrix-vector loop that streams each weight once; at 2..8 rows it calls a
 // library GEMM that takes about twice as long for the same weights (docs/architecture.md,
-// "Streamed block matmuls"). The kernel here reads each weight once, in a few sequential
+// "Streamed block matmuls"). The kernels here read each weight once, in a few sequential
 // streams, with the rows' sums in registers. Built by specjax/models/block_matmul.py with the host's g++.
 //
-//   Rows:   out[M, N] = x[M, K] @ w[K, N]       (projections; the LM head, a tied one as its own [H, V] copy)
+//   Rows:       out[M, N] = x[M, K] @ w[K, N]     float32, M = 2..8 (projections; the LM head, a tied
+//                                                  one as its own [H, V] copy)
+//   RowsBf16:   out[M, N] = x[M, K] @ w[K, N]     float32 rows, bfloat16 weights widened exactly as they
+//                                                  stream, float32 sums, M = 1..8 (a draft head's weights
+//                                                  as trained: half the bytes of float32)
 
 #include <algorithm>
 #include <atomic>
@@ -28,10 +32,29 @@ inline v8 load8(const float* p) { v8 v; std::memcpy(&v, p, sizeof v); return v; 
 inline void store8(float* p, v8 v) { std::memcpy(p, &v, sizeof v); }
 inline v8 splat8(float s) { return v8{s, s, s, s, s, s, s, s}; }
 
+// bfloat16 is the upper half of a float32: widening is a 16-bit shift, exact.
+typedef uint16_t u16x8 __attribute__((vector_size(16)));
+typedef uint32_t u32x8 __attribute__((vector_size(32)));
+inline v8 load8(const uint16_t* p) {
+  u16x8 half;
+  std::memcpy(&half, p, sizeof half);
+  const u32x8 wide = __builtin_convertvector(half, u32x8) << 16;
+  v8 v;
+  std::memcpy(&v, &wide, sizeof v);
+  return v;
+}
+inline float widen(float w) { return w; }
+inline float widen(uint16_t w) {
+  const uint32_t bits = uint32_t{w} << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
+}
+
 // out[M, n:n + 8T] += x[M, k0:k1] @ w[k0:k1, n:n + 8T]: M x T vectors of sums in registers while
 // the chunk's weight rows stream past, then one load and store of `out` per vector.
-template <int M, int T>
-inline void tile(const float* x, const float* w, float* out, int64_t K, int64_t N, int64_t n, int64_t k0, int64_t k1) {
+template <int M, int T, typename W>
+inline void tile(const float* x, const W* w, float* out, int64_t K, int64_t N, int64_t n, int64_t k0, int64_t k1) {
   v8 acc[M][T] = {};
   for (int64_t k = k0; k < k1; ++k) {
     v8 row[T];
@@ -48,8 +71,8 @@ inline void tile(const float* x, const float* w, float* out, int64_t K, int64_t 
 // out[M, N] = x[M, k_begin:k_end] @ w[k_begin:k_end, N]: the weight rows in chunks (8 or more), each
 // chunk (contiguous in memory) read as that many sequential streams by register tiles of 8T columns
 // (M x T vectors of sums), then single vectors, then the last columns one by one.
-template <int M>
-void rows(const float* x, const float* w, float* out, int64_t K, int64_t N, int64_t k_begin, int64_t k_end) {
+template <int M, typename W>
+void rows(const float* x, const W* w, float* out, int64_t K, int64_t N, int64_t k_begin, int64_t k_end) {
   const int64_t chunk = std::clamp<int64_t>(8192 / N, 8, 64);  // narrow weights: more rows per chunk, fewer stores of sums
   constexpr int T = M <= 3 ? 4 : std::max(1, 12 / M);  // about 12 of AVX2's 16 registers hold sums
   const int64_t tiles_end = N / (8 * T) * (8 * T), vectors_end = N / 8 * 8;
@@ -61,7 +84,7 @@ void rows(const float* x, const float* w, float* out, int64_t K, int64_t N, int6
     for (; n < vectors_end; n += 8) tile<M, 1>(x, w, out, K, N, n, k0, k1);
     for (; n < N; ++n)
       for (int64_t k = k0; k < k1; ++k)
-        for (int m = 0; m < M; ++m) out[m * N + n] += x[m * K + k] * w[k * N + n];
+        for (int m = 0; m < M; ++m) out[m * N + n] += x[m * K + k] * widen(w[k * N + n]);
   }
 }
 
@@ -99,6 +122,7 @@ void in_parts(ffi::ThreadPool& pool, int64_t extent, int64_t parts, Part part) {
 
 #define SPECJAX_FOR_ROWS(KERNEL, ...)                                                   \
   switch (num_rows) {                                                                   \
+    case 1: KERNEL<1>(__VA_ARGS__); break;                                              \
     case 2: KERNEL<2>(__VA_ARGS__); break;                                              \
     case 3: KERNEL<3>(__VA_ARGS__); break;                                              \
     case 4: KERNEL<4>(__VA_ARGS__); break;                                              \
@@ -108,14 +132,10 @@ void in_parts(ffi::ThreadPool& pool, int64_t extent, int64_t parts, Part part) {
     case 8: KERNEL<8>(__VA_ARGS__); break;                                              \
   }
 
-ffi::Error RowsImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w, ffi::ResultBuffer<ffi::F32> out) {
-  const int64_t num_rows = x.dimensions()[0], K = x.dimensions()[1], N = w.dimensions()[1];
-  if (num_rows < 2 || num_rows > 8) return ffi::Error::InvalidArgument("streamed block matmuls take 2..8 rows");
-  if (w.dimensions()[0] != K) return ffi::Error::InvalidArgument("x [M, K] @ w [K, N]: K differs");
-  const float *xp = x.typed_data(), *wp = w.typed_data();
-  float* op = out->typed_data();
-  // Parts split the weight rows: each streams one contiguous slab into its own sums (part 0 into
-  // `out`, the others into scratch), added up once all are done.
+// out[M, N] = x @ w for weights of type W: parts split the weight rows, each streaming one
+// contiguous slab into its own sums (part 0 into `out`, the others into scratch), added up once all are done.
+template <typename W>
+void rows_in_parts(ffi::ThreadPool& pool, const float* xp, const W* wp, float* op, int64_t num_rows, int64_t K, int64_t N) {
   const int64_t size = num_rows * N, parts = num_parts(pool, K, K * N);
   auto scratch = std::make_shared<std::vector<float>>((parts - 1) * size);
   in_parts(pool, K, parts, [=](int64_t i, int64_t begin, int64_t end) {
@@ -124,6 +144,21 @@ ffi::Error RowsImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<f
   });
   for (int64_t i = 1; i < parts; ++i)
     for (int64_t j = 0; j < size; ++j) op[j] += (*scratch)[(i - 1) * size + j];
+}
+
+ffi::Error RowsImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w, ffi::ResultBuffer<ffi::F32> out) {
+  const int64_t num_rows = x.dimensions()[0], K = x.dimensions()[1], N = w.dimensions()[1];
+  if (num_rows < 2 || num_rows > 8) return ffi::Error::InvalidArgument("streamed float32 block matmuls take 2..8 rows");
+  if (w.dimensions()[0] != K) return ffi::Error::InvalidArgument("x [M, K] @ w [K, N]: K differs");
+  rows_in_parts(pool, x.typed_data(), w.typed_data(), out->typed_data(), num_rows, K, N);
+  return ffi::Error::Success();
+}
+
+ffi::Error RowsBf16Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::BF16> w, ffi::ResultBuffer<ffi::F32> out) {
+  const int64_t num_rows = x.dimensions()[0], K = x.dimensions()[1], N = w.dimensions()[1];
+  if (num_rows < 1 || num_rows > 8) return ffi::Error::InvalidArgument("streamed bfloat16-weight matmuls take 1..8 rows");
+  if (w.dimensions()[0] != K) return ffi::Error::InvalidArgument("x [M, K] @ w [K, N]: K differs");
+  rows_in_parts(pool, x.typed_data(), w.typed_data(), out->typed_data(), num_rows, K, N);
   return ffi::Error::Success();
 }
 
@@ -134,4 +169,11 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(SpecjaxRows, RowsImpl,
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(SpecjaxRowsBf16, RowsBf16Impl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::BF16>>()
                                   .Ret<ffi::Buffer<ffi::F32>>());

@@ -1,4 +1,4 @@
-"""Streamed block matmuls: the target's weight matmuls for 2..8 rows on XLA:CPU, each weight read once.
+"""Streamed block matmuls: weight matmuls of a few rows on XLA:CPU, each weight read once.
 
 A verification block of T tokens (batch 1) multiplies T rows by every weight of the target. At
 one row XLA:CPU streams each weight once; at 2..8 rows it calls a library GEMM that takes about
@@ -13,7 +13,10 @@ the XLA FFI.
 Modes (static under jit):
     "xla"       every matmul is XLA's own (the default).
     "streamed"  float32 matmuls of 2..8 rows go to the kernels; 1 row (XLA's matrix-vector loop
-                is as fast) and more than 8 rows (the GEMM wins there) stay XLA's.
+                is as fast) and more than 8 rows (the GEMM wins there) stay XLA's. Float32 rows
+                times bfloat16 weights (a draft head's, `drafters.eagle3`) go to a kernel that
+                widens each weight as it streams (XLA:CPU's one-row dot of bfloat16 weights is 3x
+                slower than float32's), 8 rows a pass up to 64 rows; more promote the weights (x @ w).
 """
 
 from __future__ import annotations
@@ -33,14 +36,15 @@ import jax.numpy as jnp
 from specjax import host_cache
 
 MODES = ("xla", "streamed")
-MAX_ROWS = 8
+MAX_ROWS = 8  # rows of one kernel pass
+MAX_BF16_ROWS = 64  # rows of bfloat16-weight matmuls streamed in passes of MAX_ROWS
 SOURCE = Path(__file__).with_suffix(".cc")
 FLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-pthread")
 
 
-def check(mode: str, params) -> None:
-    """Raise a ValueError naming the problem where `mode` cannot run on these params; build the
-    kernels for "streamed" (a RuntimeError if that fails)."""
+def check(mode: str, params, weight_dtype: str = "float32") -> None:
+    """Raise a ValueError naming the problem where `mode` cannot run on these params (whose
+    matrices must be `weight_dtype`); build the kernels for "streamed" (a RuntimeError if that fails)."""
     _check_mode(mode)
     if mode == "xla":
         return
@@ -48,15 +52,15 @@ def check(mode: str, params) -> None:
         raise ValueError(f"block_matmul='streamed' is for XLA:CPU; the default backend is {jax.default_backend()!r}")
     leaves = jax.tree.leaves(params)
     dtypes = sorted({str(leaf.dtype) for leaf in leaves if leaf.ndim == 2})
-    if dtypes != ["float32"]:
-        raise ValueError(f"block_matmul='streamed' takes float32 weights; these are {', '.join(dtypes)}")
+    if dtypes != [weight_dtype]:
+        raise ValueError(f"block_matmul='streamed' takes {weight_dtype} weights here; these are {', '.join(dtypes)}")
     if any(len(getattr(leaf, "sharding", None).device_set) > 1 for leaf in leaves if hasattr(leaf, "sharding")):
         raise ValueError("block_matmul='streamed' runs on one device; these params are sharded over several")
     _register()
 
 
 def dense(x: jax.Array, w: jax.Array, mode: str) -> jax.Array:
-    """x [..., K] @ w [K, N] -> [..., N]."""
+    """x [..., K] @ w [K, N] -> [..., N] (float32 for float32 x, whatever w's dtype)."""
     if not _streams(mode, x, w):
         return x @ w
     return _call(x, w)
@@ -75,28 +79,44 @@ def _check_mode(mode: str) -> None:
 
 
 def _streams(mode: str, x: jax.Array, w: jax.Array) -> bool:
-    """Whether this matmul goes to a kernel: mode "streamed", 2..MAX_ROWS rows, float32."""
+    """Whether this matmul goes to a kernel: mode "streamed", float32 rows, and 2..MAX_ROWS of
+    them times float32 weights or 1..MAX_BF16_ROWS times bfloat16 weights."""
     _check_mode(mode)
-    return mode == "streamed" and 2 <= math.prod(x.shape[:-1]) <= MAX_ROWS and x.dtype == w.dtype == jnp.float32
+    if mode != "streamed" or x.dtype != jnp.float32 or w.dtype not in KERNELS:
+        return False
+    rows = math.prod(x.shape[:-1])
+    return 1 <= rows <= MAX_BF16_ROWS if w.dtype == jnp.bfloat16 else 2 <= rows <= MAX_ROWS
 
 
 def _call(x: jax.Array, w: jax.Array) -> jax.Array:
-    """x [..., K] as [M, K] rows through the kernel -> x @ w [..., N] float32."""
+    """x [..., K] as [M, K] rows through the kernel for w's dtype, MAX_ROWS a pass -> x @ w [..., N] float32."""
     rows = x.reshape(-1, x.shape[-1])  # [M, K]
-    result = jax.ShapeDtypeStruct((rows.shape[0], w.shape[1]), jnp.float32)
-    out = jax.ffi.ffi_call(_register(), result, vmap_method="sequential")(rows, w)  # [M, N]
+    kernel = _register()[w.dtype.name]
+    passes = []
+    for first in range(0, rows.shape[0], MAX_ROWS):
+        part = rows[first : first + MAX_ROWS]  # [<= MAX_ROWS, K]
+        result = jax.ShapeDtypeStruct((part.shape[0], w.shape[1]), jnp.float32)
+        passes.append(jax.ffi.ffi_call(kernel, result, vmap_method="sequential")(part, w))  # [<= MAX_ROWS, N]
+    out = passes[0] if len(passes) == 1 else jnp.concatenate(passes)  # [M, N]
     return out.reshape(*x.shape[:-1], w.shape[1])
 
 
+#: The kernel for each weight dtype: its handler symbol in block_matmul.cc.
+KERNELS = {jnp.dtype(jnp.float32): "SpecjaxRows", jnp.dtype(jnp.bfloat16): "SpecjaxRowsBf16"}
+
+
 @functools.cache
-def _register() -> str:
-    """The kernel's FFI target, registered once: named after its build, so another build of it (an
-    earlier revision's, measured beside this one) can be registered in the same process."""
+def _register() -> dict[str, str]:
+    """The kernels' FFI targets by weight dtype name, registered once: named after their build, so
+    another build (an earlier revision's, measured beside this one) can be registered in the same process."""
     path = build()
     library = ctypes.cdll.LoadLibrary(str(path))
-    target = "specjax_rows_" + path.stem.removeprefix("block_matmul-")
-    jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(library.SpecjaxRows), platform="cpu")
-    return target
+    build_key = path.stem.removeprefix("block_matmul-")
+    targets = {}
+    for dtype, symbol in KERNELS.items():
+        targets[dtype.name] = f"specjax_{symbol.removeprefix('Specjax').lower()}_{build_key}"
+        jax.ffi.register_ffi_target(targets[dtype.name], jax.ffi.pycapsule(getattr(library, symbol)), platform="cpu")
+    return targets
 
 
 def build() -> Path:

@@ -10,6 +10,9 @@ from the torch [out, in] names). One draft step, for queries at positions `posit
     logits = lm_head(norm(h_out))                                       # [B, T, Vd], draft vocab
 
 Step 0 uses h = project_features(target features); later steps use the previous h_out.
+Activations take the dtype of the norm scales; the matrices may be narrower (bfloat16 matrices with
+float32 activations under `matmuls="streamed"`, `block_matmul`). `matmuls="xla"` uses `dense`,
+whose gradient training needs.
 `norm_before_residual` is vLLM's flag of that name (EAGLE and SpecForge drafts: False).
 Draft token i is target token i + d2t[i]; t2d[v] says whether target token v is drafted.
 """
@@ -24,6 +27,7 @@ import jax.numpy as jnp
 from flax import struct
 
 from specjax.kv_cache import KVCache
+from specjax.models import block_matmul
 from specjax.models.attention import attention
 from specjax.models.config import Llama3RopeScaling, ModelConfig, layer_shape
 from specjax.models.dense import dense
@@ -142,9 +146,19 @@ def draft_to_target(draft_ids: jax.Array, d2t: jax.Array) -> jax.Array:
     return draft_ids + d2t[draft_ids].astype(draft_ids.dtype)
 
 
-def project_features(params: Params, features: jax.Array) -> jax.Array:
+def _matmul(x: jax.Array, w: jax.Array, matmuls: str) -> jax.Array:
+    """x [..., K] @ w [K, N]: `dense` under "xla", else the `block_matmul` mode's."""
+    return dense(x, w) if matmuls == "xla" else block_matmul.dense(x, w, matmuls)
+
+
+def activation_dtype(params: Params):
+    """The dtype the head computes in: its norm scales' (its matrices may be narrower)."""
+    return params["norm"].dtype
+
+
+def project_features(params: Params, features: jax.Array, matmuls: str = "xla") -> jax.Array:
     """fc: [B, T, 3H] concatenated target features (low, mid, high) -> [B, T, H]."""
-    return dense(features.astype(params["fc"].dtype), params["fc"])
+    return _matmul(features.astype(activation_dtype(params)), params["fc"], matmuls)
 
 
 def midlayer_qkv(
@@ -153,10 +167,11 @@ def midlayer_qkv(
     token_embeddings: jax.Array,
     hidden: jax.Array,
     positions: jax.Array,
+    matmuls: str = "xla",
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Rotated queries [B, T, Hq, D], keys and values [B, T, Hkv, D] of one draft step."""
     batch, length, _ = hidden.shape
-    dtype = params["q_proj"].dtype
+    dtype = activation_dtype(params)
     x = jnp.concatenate(
         [
             rms_norm(token_embeddings.astype(dtype), params["input_layernorm"], config.rms_norm_eps),
@@ -164,7 +179,7 @@ def midlayer_qkv(
         ],
         axis=-1,
     )  # [B, T, 2H]
-    heads = lambda w, n: dense(x, w).reshape(batch, length, n, config.head_dim)
+    heads = lambda w, n: _matmul(x, w, matmuls).reshape(batch, length, n, config.head_dim)
     inv_freq = rope_frequencies(config)
     q = apply_rope(heads(params["q_proj"], config.num_heads), positions, inv_freq)
     k = apply_rope(heads(params["k_proj"], config.num_kv_heads), positions, inv_freq)
@@ -173,28 +188,32 @@ def midlayer_qkv(
 
 
 def midlayer_output(
-    params: Params, config: Eagle3Config, hidden: jax.Array, attention_out: jax.Array
+    params: Params, config: Eagle3Config, hidden: jax.Array, attention_out: jax.Array, matmuls: str = "xla"
 ) -> tuple[jax.Array, jax.Array]:
     """From h [B, T, H] and attention output [B, T, Hq, D]: (logits [B, T, Vd] f32, h_out [B, T, H])."""
-    hidden = midlayer_hidden(params, config, hidden, attention_out)
-    return head_logits(params, config, hidden), hidden
+    hidden = midlayer_hidden(params, config, hidden, attention_out, matmuls)
+    return head_logits(params, config, hidden, matmuls), hidden
 
 
-def midlayer_hidden(params: Params, config: Eagle3Config, hidden: jax.Array, attention_out: jax.Array) -> jax.Array:
+def midlayer_hidden(
+    params: Params, config: Eagle3Config, hidden: jax.Array, attention_out: jax.Array, matmuls: str = "xla"
+) -> jax.Array:
     """From h [B, T, H] and attention output [B, T, Hq, D]: h_out [B, T, H] (o_proj, residual, MLP)."""
     batch, length, _ = hidden.shape
-    dtype = params["o_proj"].dtype
+    dtype = activation_dtype(params)
+    mm = lambda x, name: _matmul(x, params[name], matmuls)
     residual = hidden.astype(dtype)
     if config.norm_before_residual:
         residual = rms_norm(residual, params["hidden_norm"], config.rms_norm_eps)
-    hidden = residual + dense(attention_out.reshape(batch, length, -1).astype(dtype), params["o_proj"])
+    hidden = residual + mm(attention_out.reshape(batch, length, -1).astype(dtype), "o_proj")
     x = rms_norm(hidden, params["post_attention_layernorm"], config.rms_norm_eps)
-    return hidden + dense(jax.nn.silu(dense(x, params["gate_proj"])) * dense(x, params["up_proj"]), params["down_proj"])
+    return hidden + mm(jax.nn.silu(mm(x, "gate_proj")) * mm(x, "up_proj"), "down_proj")
 
 
-def head_logits(params: Params, config: Eagle3Config, hidden: jax.Array) -> jax.Array:
+def head_logits(params: Params, config: Eagle3Config, hidden: jax.Array, matmuls: str = "xla") -> jax.Array:
     """h_out [..., H] -> float32 draft-vocabulary logits [..., Vd] (final norm, lm_head)."""
-    return dense(rms_norm(hidden, params["norm"], config.rms_norm_eps), params["lm_head"]).astype(jnp.float32)
+    normed = rms_norm(hidden, params["norm"], config.rms_norm_eps)
+    return _matmul(normed, params["lm_head"], matmuls).astype(jnp.float32)
 
 
 def forward(
@@ -207,6 +226,7 @@ def forward(
     block_mask: jax.Array,
     *,
     chunk_size: int = 256,
+    matmuls: str = "xla",
 ) -> Eagle3Output:
     """One draft step over a block of T queries.
 
@@ -217,11 +237,12 @@ def forward(
                       plus the block entries allowed by block_mask ([B, T, T] or [T, T] bool,
                       each query must see itself). The cache is not modified: the caller writes
                       the returned k, v. chunk_size (clipped to the buffer) must divide it.
+    matmuls:          a `block_matmul` mode for the head's matrices.
     """
     batch, length, _ = hidden.shape
-    q, k, v = midlayer_qkv(params, config, token_embeddings, hidden, positions)
+    q, k, v = midlayer_qkv(params, config, token_embeddings, hidden, positions, matmuls)
     grouped = q.reshape(batch, length, config.num_kv_heads, -1, config.head_dim)  # [B, T, Hkv, G, D]
     chunk_size = min(chunk_size, cache.max_len)
     out = attention(grouped, k, v, cache.k, cache.v, jnp.int32(0), cache.lengths, block_mask, chunk_size)
-    logits, hidden_out = midlayer_output(params, config, hidden, out.reshape(q.shape))
+    logits, hidden_out = midlayer_output(params, config, hidden, out.reshape(q.shape), matmuls)
     return Eagle3Output(logits=logits, hidden=hidden_out, k=k[None], v=v[None])
