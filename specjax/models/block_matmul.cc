@@ -17,6 +17,7 @@
 #include <cstdint>
 #include <cstring>
 #include <memory>
+#include <string>
 #include <thread>
 #include <vector>
 
@@ -146,20 +147,24 @@ void rows_in_parts(ffi::ThreadPool& pool, const float* xp, const W* wp, float* o
     for (int64_t j = 0; j < size; ++j) op[j] += (*scratch)[(i - 1) * size + j];
 }
 
-ffi::Error RowsImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w, ffi::ResultBuffer<ffi::F32> out) {
+// The handlers' body: x [M, K] @ w [K, N] -> out [M, N] for M in min_rows..8.
+template <ffi::DataType WeightType>
+ffi::Error checked_rows(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32>& x, ffi::Buffer<WeightType>& w, ffi::ResultBuffer<ffi::F32>& out,
+                        int64_t min_rows) {
   const int64_t num_rows = x.dimensions()[0], K = x.dimensions()[1], N = w.dimensions()[1];
-  if (num_rows < 2 || num_rows > 8) return ffi::Error::InvalidArgument("streamed float32 block matmuls take 2..8 rows");
+  if (num_rows < min_rows || num_rows > 8)
+    return ffi::Error::InvalidArgument("these streamed matmuls take " + std::to_string(min_rows) + "..8 rows");
   if (w.dimensions()[0] != K) return ffi::Error::InvalidArgument("x [M, K] @ w [K, N]: K differs");
   rows_in_parts(pool, x.typed_data(), w.typed_data(), out->typed_data(), num_rows, K, N);
   return ffi::Error::Success();
 }
 
+ffi::Error RowsImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w, ffi::ResultBuffer<ffi::F32> out) {
+  return checked_rows(pool, x, w, out, 2);  // one row: XLA's matrix-vector loop is as fast
+}
+
 ffi::Error RowsBf16Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::BF16> w, ffi::ResultBuffer<ffi::F32> out) {
-  const int64_t num_rows = x.dimensions()[0], K = x.dimensions()[1], N = w.dimensions()[1];
-  if (num_rows < 1 || num_rows > 8) return ffi::Error::InvalidArgument("streamed bfloat16-weight matmuls take 1..8 rows");
-  if (w.dimensions()[0] != K) return ffi::Error::InvalidArgument("x [M, K] @ w [K, N]: K differs");
-  rows_in_parts(pool, x.typed_data(), w.typed_data(), out->typed_data(), num_rows, K, N);
-  return ffi::Error::Success();
+  return checked_rows(pool, x, w, out, 1);
 }
 
 }  // namespace
