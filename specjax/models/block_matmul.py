@@ -15,8 +15,8 @@ Modes (static under jit):
     "streamed"  float32 matmuls of 2..8 rows go to the kernels; 1 row (XLA's matrix-vector loop
                 is as fast) and more than 8 rows (the GEMM wins there) stay XLA's. Float32 rows
                 times bfloat16 weights (a draft head's, `drafters.eagle3`) go to a kernel that
-                widens each weight as it streams (XLA:CPU's one-row dot of bfloat16 weights is 3x
-                slower than float32's), 8 rows a pass up to 64 rows; more promote the weights (x @ w).
+                widens each weight as it streams (XLA:CPU's own dot of bfloat16 weights is slower
+                than float32's), 8 rows a pass up to 64 rows; more promote the weights (x @ w).
 """
 
 from __future__ import annotations
@@ -38,6 +38,7 @@ from specjax import host_cache
 MODES = ("xla", "streamed")
 MAX_ROWS = 8  # rows of one kernel pass
 MAX_BF16_ROWS = 64  # rows of bfloat16-weight matmuls streamed in passes of MAX_ROWS
+KERNELS = {jnp.dtype(jnp.float32): "SpecjaxRows", jnp.dtype(jnp.bfloat16): "SpecjaxRowsBf16"}  # weight dtype -> handler in block_matmul.cc
 SOURCE = Path(__file__).with_suffix(".cc")
 FLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-pthread")
 
@@ -100,9 +101,6 @@ def _call(x: jax.Array, w: jax.Array) -> jax.Array:
     out = passes[0] if len(passes) == 1 else jnp.concatenate(passes)  # [M, N]
     return out.reshape(*x.shape[:-1], w.shape[1])
 
-
-#: The kernel for each weight dtype: its handler symbol in block_matmul.cc.
-KERNELS = {jnp.dtype(jnp.float32): "SpecjaxRows", jnp.dtype(jnp.bfloat16): "SpecjaxRowsBf16"}
 
 
 @functools.cache
