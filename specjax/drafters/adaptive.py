@@ -176,7 +176,6 @@ class AdaptiveDepth(Wrapper):
         depth = drafter.max_depth
         if drafter.propose_changes_state:
             raise ValueError(f"{type(drafter).__name__} writes its state while drafting: its draft length cannot vary per step")
-        self.source = drafter
         drafter = drafter.postponing(POSTPONE_STEPS)
         self.variants = tuple(drafter.at_depth(d) for d in range(depth + 1))
         super().__init__(self.variants[-1])
@@ -185,7 +184,7 @@ class AdaptiveDepth(Wrapper):
         self.costs = None if costs is None else np.asarray(costs, np.float32)
 
     def with_matmuls(self, mode: str) -> AdaptiveDepth:
-        return AdaptiveDepth(self.source.with_matmuls(mode), self.costs)  # every variant from the one drafter
+        return AdaptiveDepth(self.inner.with_matmuls(mode), self.costs)  # every variant from the one converted drafter (postponing twice is once)
 
     def propose(self, params, state, key, ctx, sampling):
         return self.inner.propose(params, state, key, ctx, sampling)

@@ -102,7 +102,6 @@ def _call(x: jax.Array, w: jax.Array) -> jax.Array:
     return out.reshape(*x.shape[:-1], w.shape[1])
 
 
-
 @functools.cache
 def _register() -> dict[str, str]:
     """The kernels' FFI targets by weight dtype name, registered once: named after their build, so
