@@ -54,6 +54,14 @@ def test_greedy_speculative_equals_autoregressive(method, autoregressive):
     assert batch.calls.sum() > 0
 
 
+@pytest.mark.parametrize("method", ["draft-random", "eagle3-chain", "eagle1-chain"])
+def test_a_drafter_cache_of_any_engine_length(method, autoregressive):
+    """A drafter's own cache is as long as the engine's, which need only be a multiple of the
+    engine's attention chunk (320 of 64 here), not of the drafter's (256)."""
+    engine = Engine(CONFIG, PARAMS, DRAFTERS[method], max_len=320, attention_chunk=64)
+    assert engine.generate(PROMPTS, max_new_tokens=NEW_TOKENS).tokens == autoregressive
+
+
 def test_agreeing_drafts_are_fully_accepted():
     for method in ("draft-self", "oracle-tree"):
         drafter = DRAFTERS[method]

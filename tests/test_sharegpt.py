@@ -221,10 +221,14 @@ def test_config_errors_name_the_keys(values, message):
 
 
 def test_the_sharegpt_configs_load_and_share_one_archive():
-    small, large = (load_config(REPO / "configs" / f"{name}.yaml") for name in ("eagle3_sharegpt_smollm2", "eagle3_sharegpt4k_smollm2"))
-    for config in (small, large):
+    names = ("eagle3_sharegpt_smollm2", "eagle3_sharegpt4k_smollm2", "eagle3_sharegpt6k_smollm2")
+    configs = [load_config(REPO / "configs" / f"{name}.yaml") for name in names]
+    for config in configs:
         assert (config.data, config.data_files, config.self_distill) == ("sharegpt", (), True)
-    assert small.distilled_archive == large.distilled_archive and small.max_conversations < large.max_conversations
+    assert len({config.distilled_archive for config in configs}) == 1
+    assert [config.max_conversations for config in configs] == sorted({config.max_conversations for config in configs})
+    continued = configs[-1]  # continues the shipped chat draft, keeping its vocabulary
+    assert (REPO / continued.init_from / "model.safetensors").is_file() and continued.init_vocab == "keep"
 
 
 def test_trainer_rows_come_from_the_training_split_with_a_report(tmp_path, capsys):

@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 
 from specjax.kv_cache import KVCache
-from specjax.models.attention import attention
+from specjax.models.attention import attention, dividing_chunk
 from specjax.models.config import Llama3RopeScaling, ModelConfig, layer_shape
 from specjax.models.dense import dense
 from specjax.models.llama import apply_rope, rms_norm, rope_frequencies
@@ -135,5 +135,6 @@ def forward(
     x = fuse(params, token_embeddings, features)
     q, k, v = layer_qkv(params, config, x, positions)
     grouped = q.reshape(batch, length, config.num_kv_heads, -1, config.head_dim)  # [B, T, Hkv, G, D]
-    out = attention(grouped, k, v, cache.k, cache.v, jnp.int32(0), cache.lengths, block_mask, min(chunk_size, cache.max_len))
+    chunk_size = dividing_chunk(chunk_size, cache.max_len)
+    out = attention(grouped, k, v, cache.k, cache.v, jnp.int32(0), cache.lengths, block_mask, chunk_size)
     return Eagle1Output(hidden=layer_output(params, config, x, out.reshape(q.shape)), k=k[None], v=v[None])

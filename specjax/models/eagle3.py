@@ -28,7 +28,7 @@ from flax import struct
 
 from specjax.kv_cache import KVCache
 from specjax.models import block_matmul
-from specjax.models.attention import attention
+from specjax.models.attention import attention, dividing_chunk
 from specjax.models.config import Llama3RopeScaling, ModelConfig, layer_shape
 from specjax.models.dense import dense
 from specjax.models.llama import apply_rope, rms_norm, rope_frequencies
@@ -236,13 +236,13 @@ def forward(
     cache:            the draft's 1-layer KVCache; queries attend to slots < cache.lengths[b]
                       plus the block entries allowed by block_mask ([B, T, T] or [T, T] bool,
                       each query must see itself). The cache is not modified: the caller writes
-                      the returned k, v. chunk_size (clipped to the buffer) must divide it.
+                      the returned k, v. chunk_size: the widest chunk up to it that divides the buffer.
     matmuls:          a `block_matmul` mode for the head's matrices.
     """
     batch, length, _ = hidden.shape
     q, k, v = midlayer_qkv(params, config, token_embeddings, hidden, positions, matmuls)
     grouped = q.reshape(batch, length, config.num_kv_heads, -1, config.head_dim)  # [B, T, Hkv, G, D]
-    chunk_size = min(chunk_size, cache.max_len)
+    chunk_size = dividing_chunk(chunk_size, cache.max_len)
     out = attention(grouped, k, v, cache.k, cache.v, jnp.int32(0), cache.lengths, block_mask, chunk_size)
     logits, hidden_out = midlayer_output(params, config, hidden, out.reshape(q.shape), matmuls)
     return Eagle3Output(logits=logits, hidden=hidden_out, k=k[None], v=v[None])

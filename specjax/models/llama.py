@@ -33,7 +33,7 @@ from jax import lax
 
 from specjax.kv_cache import KVCache
 from specjax.models import block_matmul
-from specjax.models.attention import attention
+from specjax.models.attention import attention, dividing_chunk
 from specjax.models.config import ModelConfig
 
 Params = dict[str, Any]
@@ -237,7 +237,7 @@ def forward(
     Query t of row b attends to cache slots s < cache.lengths[b] and to block entry u iff
     block_mask[..., t, u]. `cache=None` means an empty prefix (training, no-cache scoring).
     taps: the hidden states returned as `features` (see Taps). chunk_size: cache slots attended
-    per step of the prefix loop, clipped to the buffer, which it must divide. matmuls: a
+    per step of the prefix loop, at most (the widest that divides the buffer). matmuls: a
     `block_matmul` mode ("streamed": blocks of 2..8 rows through its kernels).
     Under jit, config, taps, chunk_size and matmuls are static.
     """
@@ -246,7 +246,7 @@ def forward(
         if not 0 <= layer < config.num_layers:
             raise ValueError(f"feature layer {layer} out of range for {config.num_layers} layers")
     if cache is not None:
-        chunk_size = min(chunk_size, cache.max_len)
+        chunk_size = dividing_chunk(chunk_size, cache.max_len)
     hidden = embed(params, tokens)  # [B, T, H]
 
     captured, k_new, v_new = {}, [], []
