@@ -39,11 +39,11 @@ def _online_update(carry, scores, visible, values):
     return new_max, running_sum, acc
 
 
-
 def dividing_chunk(chunk_size: int, cache_length: int) -> int:
     """The widest chunk of at most `chunk_size` slots that divides `cache_length` (a drafter's cache is
     as long as the engine's, which need only be a multiple of the engine's own chunk)."""
     return next(width for width in range(min(chunk_size, cache_length), 0, -1) if cache_length % width == 0)
+
 
 def attention(
     q: jax.Array,

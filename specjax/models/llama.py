@@ -236,8 +236,8 @@ def forward(
     tokens, positions: [B, T] int32. block_mask: [B, T, T] or [T, T] bool.
     Query t of row b attends to cache slots s < cache.lengths[b] and to block entry u iff
     block_mask[..., t, u]. `cache=None` means an empty prefix (training, no-cache scoring).
-    taps: the hidden states returned as `features` (see Taps). chunk_size: cache slots attended
-    per step of the prefix loop, at most (the widest that divides the buffer). matmuls: a
+    taps: the hidden states returned as `features` (see Taps). chunk_size: the most cache slots
+    attended per step of the prefix loop (the widest chunk up to it that divides the buffer). matmuls: a
     `block_matmul` mode ("streamed": blocks of 2..8 rows through its kernels).
     Under jit, config, taps, chunk_size and matmuls are static.
     """
