@@ -13,7 +13,7 @@ from specjax import kv_cache, tree
 from specjax.checkpoints import hf
 from specjax.kv_cache import KVCache
 from specjax.models import eagle3, llama
-from specjax.models.attention import attention, row_counts
+from specjax.models.attention import attention, dividing_chunk, row_counts
 from specjax.models.config import ModelConfig
 from specjax.models.dense import dense
 
@@ -220,9 +220,13 @@ def test_chunked_prefix_equals_whole_buffer_attention(llama_family):
     chunked, _ = decode(params, config, cache, block, chunk_size=8)
     whole, _ = decode(params, config, cache, block)  # default 256, clipped to the 64-slot buffer
     np.testing.assert_allclose(chunked, whole, atol=1e-5, rtol=0)
-    positions = np.asarray(cache.lengths)[:, None]
-    with pytest.raises(ValueError, match="multiple of chunk_size"):
-        llama.forward(params, config, block[:, None], positions, cache, causal(1), chunk_size=24)
+    assert dividing_chunk(24, 64) == 16  # a chunk that does not divide the buffer: the widest below it that does
+    narrower, _ = decode(params, config, cache, block, chunk_size=24)
+    np.testing.assert_allclose(narrower, whole, atol=1e-5, rtol=0)
+    _, batch, kv_heads, _, head_dim = cache.k.shape
+    q, k_new = jnp.zeros((batch, 1, kv_heads, 1, head_dim)), jnp.zeros((batch, 1, kv_heads, head_dim))
+    with pytest.raises(ValueError, match="multiple of chunk_size"):  # attention itself takes only a dividing chunk
+        attention(q, k_new, k_new, cache.k, cache.v, 0, cache.lengths, causal(1), 24)
 
 
 @pytest.mark.parametrize("lengths", [[3, 40, 0, 17, 64, 9, 33, 51, 26], [64] * 9, [0, 0, 5, 0, 0, 0, 0, 0, 0]])
