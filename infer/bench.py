@@ -14,7 +14,8 @@ identical engines differ by in this run, the resolution of every other speedup.
 --compare-draft NAME=PATH benches every method that drafts with a draft a second time on PATH,
 labelled METHOD@NAME: two drafts of one method side by side (e.g. a new EAGLE-3 head and the shipped one).
 --matmuls xla,streamed runs every method in each matmul mode (docs/architecture.md, "Streamed block
-matmuls"), labelled "METHOD [streamed]" after the first mode, which stays the baseline.
+matmuls"), labelled "METHOD [streamed]" after the first mode, which stays the baseline; the
+`in mode` column is then each method's speedup over plain decoding in its own mode.
 With --prompts mt-bench, also per MT-bench category: tau, acceptance by position, and the speedup
 where every batch holds one category (batch size 1).
 """
@@ -84,10 +85,12 @@ def engine_plan(args: argparse.Namespace) -> dict[str, tuple[MethodSpec, str | N
         if spec.info.draft:
             plan |= {f"{spec.label}@{name}": (spec, path) for name, path in args.compare_drafts.items()}
     plan |= {CONTROL: (MethodSpec("ar"), None)} if args.control else {}
-    baseline, *others = args.matmuls
-    return {label: (*entry, baseline) for label, entry in plan.items()} | {
-        f"{label} [{mode}]": (*entry, mode) for mode in others for label, entry in plan.items()
-    }
+    return {mode_label(label, mode, args.matmuls[0]): (*entry, mode) for mode in args.matmuls for label, entry in plan.items()}
+
+
+def mode_label(label: str, mode: str, baseline_mode: str) -> str:
+    """A method's label in a --matmuls mode: as it is in the first (baseline) mode, "LABEL [MODE]" in the others."""
+    return label if mode == baseline_mode else f"{label} [{mode}]"
 
 
 #: The label of --control's engine: plain decoding again, built and timed like `ar`.
@@ -213,14 +216,21 @@ def summarise(results: list[dict]) -> None:
 
     The speedup is the median over repeats of each repeat's ratio to ar's pass of the same repeat
     (the passes are interleaved), so a machine whose speed drifts between repeats moves both alike;
-    `speedup_interval` is that median's 95% confidence interval (`median_interval`, wider with few repeats)."""
+    `speedup_interval` is that median's 95% confidence interval (`median_interval`, wider with few repeats).
+    Results of several --matmuls modes (each row's "matmuls"; ar's is the baseline) also get
+    `speedup_in_mode`: the same median of ratios to plain decoding in the row's own mode."""
     baseline = {r["batch_size"]: r for r in results if r["method"] == "ar"}
+    baseline_mode = next(r.get("matmuls") for r in results if r["method"] == "ar")
+    in_mode = {(r["batch_size"], r.get("matmuls")): r for r in results if r["method"] == mode_label("ar", r.get("matmuls"), baseline_mode)}
     for r in results:
         ar = baseline[r["batch_size"]]
         ratios = np.array(r["tokens_per_s_by_repeat"]) / np.array(ar["tokens_per_s_by_repeat"])
         r["speedup_by_repeat"] = ratios.tolist()
         r["speedup"] = float(np.median(ratios))
         *r["speedup_interval"], r["interval_coverage"] = median_interval(ratios)
+        mode_ratios = np.array(r["tokens_per_s_by_repeat"]) / np.array(in_mode[r["batch_size"], r.get("matmuls")]["tokens_per_s_by_repeat"])
+        r["speedup_in_mode"] = float(np.median(mode_ratios))
+        *r["speedup_in_mode_interval"], _ = median_interval(mode_ratios)
         for name, category in r.get("by_category", {}).items():  # speedup per category where batches hold one
             rates, ar_rates = category["tokens_per_s_by_repeat"], ar["by_category"][name]["tokens_per_s_by_repeat"]
             category["speedup"] = None if rates is None else float(np.median(np.array(rates) / np.array(ar_rates)))
@@ -233,17 +243,22 @@ def summarise(results: list[dict]) -> None:
 
 
 def table(results: list[dict]) -> str:
-    header = (f"{'method':<16}{'batch':>6}{'tau':>7}{'tok/s':>9}{'speedup':>9}{'95% CI':>12}{'c':>7}{'Tv/Td':>7}{'bound':>7}{'of bound':>9}"
-              f"{'drafted':>9}  acceptance by position")
+    """One line per method and batch size; with several --matmuls modes, an `in mode` column: the
+    speedup over plain decoding in the method's own mode (`speedup` is over the baseline mode's)."""
+    several_modes = len({r.get("matmuls") for r in results}) > 1
+    in_mode_header = f"{'in mode':>8}" if several_modes else ""
+    header = (f"{'method':<16}{'batch':>6}{'tau':>7}{'tok/s':>9}{'speedup':>9}{'95% CI':>12}{in_mode_header}"
+              f"{'c':>7}{'Tv/Td':>7}{'bound':>7}{'of bound':>9}{'drafted':>9}  acceptance by position")
     lines = [header, "-" * len(header)]
     number = lambda x: "-" if x is None else f"{x:.2f}"
     for r in results:
         accept = " ".join(f"{a:.2f}" for a in r["acceptance_by_position"])
         low, high = r["speedup_interval"]
         interval = "-" if r["method"] == "ar" else f"{low:.2f}-{high:.2f}"
+        in_mode = f"{r['speedup_in_mode']:>8.2f}" if several_modes else ""
         lines.append(
             f"{r['method']:<16}{r['batch_size']:>6}{r['tau']:>7.2f}{r['tokens_per_s']:>9.1f}{r['speedup']:>9.2f}{interval:>12}"
-            f"{r['c']:>7.2f}{r['verify_over_decode']:>7.2f}{number(r['bound']):>7}{number(r['fraction_of_bound']):>9}"
+            f"{in_mode}{r['c']:>7.2f}{r['verify_over_decode']:>7.2f}{number(r['bound']):>7}{number(r['fraction_of_bound']):>9}"
             f"{r['drafting_share']:>9.2f}  {accept}"
         )
     return "\n".join(lines)
@@ -300,10 +315,11 @@ def main(argv: list[str] | None = None) -> list[dict]:
     config, params, tokenizer = common.load_target(args)
     token_ids = prompt_sets.token_ids(tokenizer, args.prompts, args.num_prompts)
     categories = prompt_sets.categories(args.prompts)
+    plan = engine_plan(args)
     engines = {
         label: Engine(config, params, common.build_drafter(spec, args, config, params, draft),
                       max_len=args.max_len, eos_ids=tokenizer.eos_token_ids, matmuls=matmuls)
-        for label, (spec, draft, matmuls) in engine_plan(args).items()
+        for label, (spec, draft, matmuls) in plan.items()
     }
     results = []
     for batch_size in tqdm(args.batch_size, desc="bench", unit="batch size"):
@@ -313,12 +329,15 @@ def main(argv: list[str] | None = None) -> list[dict]:
         row_categories = None if categories is None else [categories[i % len(token_ids)] for i in range(rows)]
         results += bench_batch_size(engines, batches, args, row_categories)
     results.sort(key=lambda r: (list(engines).index(r["method"]), r["batch_size"]))
+    for r in results:
+        r["matmuls"] = plan[r["method"]][2]
     summarise(results)
     print(table(results))
     for r in results:
-        if r["method"] == CONTROL:
-            low, high = r["speedup_interval"]
-            print(f"batch {r['batch_size']}: {CONTROL}, plain decoding again, ran at {r['speedup']:.3f}x of ar "
+        if r["method"] == mode_label(CONTROL, r["matmuls"], args.matmuls[0]):
+            low, high = r["speedup_in_mode_interval"]
+            ar = mode_label("ar", r["matmuls"], args.matmuls[0])
+            print(f"batch {r['batch_size']}: {r['method']}, plain decoding again, ran at {r['speedup_in_mode']:.3f}x of {ar} "
                   f"({r['interval_coverage']:.0%} CI {low:.3f}-{high:.3f}): a speedup whose interval holds 1.0 is not resolved by this run")
     if categories is not None:
         print("\nby MT-bench category\n" + category_table(results))
