@@ -219,16 +219,15 @@ def summarise(results: list[dict]) -> None:
     `speedup_interval` is that median's 95% confidence interval (`median_interval`, wider with few repeats).
     Results of several --matmuls modes (each row's "matmuls"; ar's is the baseline) also get
     `speedup_in_mode`: the same median of ratios to plain decoding in the row's own mode."""
-    baseline = {r["batch_size"]: r for r in results if r["method"] == "ar"}
     baseline_mode = next(r.get("matmuls") for r in results if r["method"] == "ar")
-    in_mode = {(r["batch_size"], r.get("matmuls")): r for r in results if r["method"] == mode_label("ar", r.get("matmuls"), baseline_mode)}
+    plain = {(r["batch_size"], r.get("matmuls")): r for r in results if r["method"] == mode_label("ar", r.get("matmuls"), baseline_mode)}
     for r in results:
-        ar = baseline[r["batch_size"]]
+        ar, mode_ar = plain[r["batch_size"], baseline_mode], plain[r["batch_size"], r.get("matmuls")]
         ratios = np.array(r["tokens_per_s_by_repeat"]) / np.array(ar["tokens_per_s_by_repeat"])
         r["speedup_by_repeat"] = ratios.tolist()
         r["speedup"] = float(np.median(ratios))
         *r["speedup_interval"], r["interval_coverage"] = median_interval(ratios)
-        mode_ratios = np.array(r["tokens_per_s_by_repeat"]) / np.array(in_mode[r["batch_size"], r.get("matmuls")]["tokens_per_s_by_repeat"])
+        mode_ratios = np.array(r["tokens_per_s_by_repeat"]) / np.array(mode_ar["tokens_per_s_by_repeat"])
         r["speedup_in_mode"] = float(np.median(mode_ratios))
         *r["speedup_in_mode_interval"], _ = median_interval(mode_ratios)
         for name, category in r.get("by_category", {}).items():  # speedup per category where batches hold one
