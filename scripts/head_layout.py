@@ -2,7 +2,8 @@
 
 The revision reads the embedding's [V, H] rows (XLA's matrix-vector loop at T = 1, the `row_dot`
 kernel at 2..8 rows); this code gives the engine's streamed mode its own [H, V] copy of the head
-(`llama.with_untied_head`), which XLA (T = 1) and the `rows` kernel (2..8) read in memory order.
+(`llama.with_untied_head`), packed in panels for the kernel (`llama.streamed`), which reads it in
+memory order at every T.
 Milliseconds, medians of interleaved repeats; both give the float32 logits of x @ embed^T.
 
     python scripts/head_layout.py --baseline 62ec039 [--rows 1,2,4,6,8] [--repeats 41]
@@ -27,9 +28,9 @@ parser.add_argument("--repeats", type=int, default=41)
 args = parser.parse_args()
 
 config, params = checkpoints.load_model(checkpoints.default_model_path())
-untied_config, untied = llama.with_untied_head(config, params)
+_, streamed = llama.streamed(config, params)
 old = importlib.import_module(f"{baseline_package(args.baseline)}.models.block_matmul")
-embed, head = params["embed_tokens"], untied["lm_head"]  # [V, H], [H, V]
+embed, head = params["embed_tokens"], streamed["lm_head"]  # [V, H], [H, V] packed
 variants = {
     args.baseline: (jax.jit(lambda x, e: old.tied_head(x, e, "streamed")), embed),
     "now": (jax.jit(lambda x, w: block_matmul.head(x, w, "streamed")), head),

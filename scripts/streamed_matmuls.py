@@ -29,6 +29,7 @@ parser.add_argument("--repeats", type=int, default=15)
 args = parser.parse_args()
 
 config, params = checkpoints.load_model(checkpoints.default_model_path())
+models = {"xla": (config, params), "streamed": llama.streamed(config, params)}  # as the engine holds them in each mode
 cases = {}
 for batch in map(int, args.batch_sizes.split(",")):
     cache = KVCache.init(config.num_layers, batch, 2048, config.num_kv_heads, config.head_dim)
@@ -37,14 +38,15 @@ for batch in map(int, args.batch_sizes.split(",")):
         tokens = jnp.full((batch, block), 100, jnp.int32)
         positions = args.live + jnp.broadcast_to(jnp.arange(block), (batch, block))
         for matmuls in ("xla", "streamed"):
-            forward = jax.jit(lambda p, t, q, c, m=matmuls, T=block: llama.forward(p, config, t, q, c, causal_mask(T), matmuls=m).logits)
-            jax.block_until_ready(forward(params, tokens, positions, cache))  # compile
-            cases[batch, block, matmuls] = (forward, tokens, positions, cache)
+            model_config, model_params = models[matmuls]
+            forward = jax.jit(lambda p, t, q, c, m=matmuls, T=block, mc=model_config: llama.forward(p, mc, t, q, c, causal_mask(T), matmuls=m).logits)
+            jax.block_until_ready(forward(model_params, tokens, positions, cache))  # compile
+            cases[batch, block, matmuls] = (forward, model_params, tokens, positions, cache)
 times = {key: [] for key in cases}
 for _ in range(args.repeats):
-    for key, (forward, tokens, positions, cache) in cases.items():
+    for key, (forward, model_params, tokens, positions, cache) in cases.items():
         start = time.perf_counter()
-        jax.block_until_ready(forward(params, tokens, positions, cache))
+        jax.block_until_ready(forward(model_params, tokens, positions, cache))
         times[key].append(time.perf_counter() - start)
 ms = {key: 1e3 * float(np.median(v)) for key, v in times.items()}
 print(f"jax {jax.__version__}; SmolLM2 float32, {args.live} cached tokens per row; ms, median of {args.repeats} interleaved repeats")

@@ -145,7 +145,7 @@ class Engine:
     """Generation for one target model and one drafter (default: plain autoregressive).
 
     matmuls: how the target's weight matmuls run (`models.block_matmul`): "xla", or "streamed"
-    (on XLA:CPU, verification blocks of 2..8 rows through kernels that read each weight once;
+    (on XLA:CPU, through a kernel that reads each packed weight once for all rows of a block;
     the drafter's own matmuls follow, `Drafter.with_matmuls`: an EAGLE-3 head's in bfloat16).
     """
 
@@ -174,8 +174,8 @@ class Engine:
             raise ValueError(f"max_len {max_len} must be a multiple of the attention chunk {self.attention_chunk}")
         self.eos_ids = tuple(config.eos_token_ids if eos_ids is None else eos_ids)
         block_matmul.check(matmuls, params)
-        if matmuls == "streamed":  # the kernels stream an [H, V] head in memory order
-            self.config, self.params = llama.with_untied_head(config, params)
+        if matmuls == "streamed":  # the kernels read packed weights, the head untied
+            self.config, self.params = llama.streamed(config, params)
         self.drafter = self.drafter.with_matmuls(matmuls)
         self.matmuls = matmuls
         self.num_nodes, self.max_depth = self.drafter.num_nodes, self.drafter.max_depth

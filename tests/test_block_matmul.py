@@ -20,27 +20,47 @@ from specjax.models import block_matmul, llama, sharding
 from specjax.tree import causal_mask
 
 
-@pytest.mark.parametrize("rows", range(2, 9))
-@pytest.mark.parametrize("width, outputs", [(576, 1536), (13, 37), (300, 1030)])  # tails past 8 lanes, register tiles and row chunks; row parts for two threads
-def test_kernels_equal_float64_matmuls(rows, width, outputs):
+streamed = jax.jit(lambda x, w: block_matmul.dense(x, w, "streamed"))
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 8, 9, 16, 21])  # one group of rows a pass over a panel, several, and a rest
+@pytest.mark.parametrize("width, outputs", [(576, 1536), (13, 37), (300, 1030), (7, 32)])  # a partial last panel; one panel
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_the_kernel_equals_float64_matmuls_of_the_same_weights(rows, width, outputs, dtype):
     rng = np.random.default_rng(rows * width)
-    x, w = (rng.normal(size=shape).astype(np.float32) for shape in ((rows, width), (width, outputs)))
-    for got in (jax.jit(lambda x, w: block_matmul.dense(x, w, "streamed"))(x, w), jax.jit(lambda x, w: block_matmul.head(x, w, "streamed"))(x, w)):
-        want = x.astype(np.float64) @ w
+    x = rng.normal(size=(rows, width)).astype(np.float32)
+    w = jnp.asarray(rng.normal(size=(width, outputs)), dtype)
+    want = x.astype(np.float64) @ np.asarray(w.astype(jnp.float32), np.float64)  # bfloat16 weights widened exactly
+    packed = block_matmul.pack(w)
+    assert packed.shape == (width, outputs) and packed.dtype == dtype
+    for got in (streamed(x, packed), jax.jit(lambda x, w: block_matmul.head(x, w, "streamed"))(x, packed)):
         assert got.shape == want.shape and got.dtype == jnp.float32
         np.testing.assert_allclose(got, want, rtol=0, atol=1e-5 * np.abs(want).max())
 
 
-@pytest.mark.parametrize("rows", [*range(1, 9), 13, 64])  # one pass of 1..8 rows; passes of 8 and the rest
-@pytest.mark.parametrize("width, outputs", [(576, 1536), (13, 37)])
-def test_the_bfloat16_weight_kernel_equals_float64_matmuls_of_the_same_weights(rows, width, outputs):
-    rng = np.random.default_rng(rows + width)
-    x = rng.normal(size=(rows, width)).astype(np.float32)
-    w = jnp.asarray(rng.normal(size=(width, outputs)), jnp.bfloat16)
-    got = jax.jit(lambda x, w: block_matmul.dense(x, w, "streamed"))(x, w)
-    want = x.astype(np.float64) @ np.asarray(w.astype(jnp.float32), np.float64)  # the weights widened exactly
-    assert got.shape == want.shape and got.dtype == jnp.float32
-    np.testing.assert_allclose(got, want, rtol=0, atol=1e-5 * np.abs(want).max())
+def test_a_row_gets_the_same_bits_alone_or_in_a_block():
+    """Each sum adds the K products in order whatever the number of rows: what greedy speculative
+    decoding verifies in a block is bit for bit what plain decoding computes one row at a time."""
+    rng = np.random.default_rng(7)
+    x = rng.normal(size=(21, 300)).astype(np.float32)
+    w = block_matmul.pack(jnp.asarray(rng.normal(size=(300, 1030)), jnp.float32))
+    block = np.asarray(streamed(x, w))
+    for row in (0, 7, 8, 20):
+        np.testing.assert_array_equal(np.asarray(streamed(x[row : row + 1], w))[0], block[row])
+    np.testing.assert_array_equal(np.asarray(streamed(x[3:7], w)), block[3:7])
+
+
+def test_packing_keeps_every_weight_in_its_panel():
+    w = jnp.arange(7 * 40, dtype=jnp.float32).reshape(7, 40)
+    packed = block_matmul.pack(w)
+    assert packed.panels.shape == (2, 7, 32)  # ceil(40 / 32) panels of 32 columns
+    np.testing.assert_array_equal(packed.panels[0], w[:, :32])
+    np.testing.assert_array_equal(packed.panels[1, :, :8], w[:, 32:])
+    assert not packed.panels[1, :, 8:].any()  # zero past N
+    tree = block_matmul.pack_matrices({"w": w, "scale": jnp.ones(7), "again": packed})
+    assert tree["scale"].shape == (7,) and tree["again"] is packed and isinstance(tree["w"], block_matmul.Packed)
+    with pytest.raises(ValueError, match="takes a matrix"):
+        block_matmul.pack(jnp.ones(3))
 
 
 def kernel_calls(fn, *args) -> int:
@@ -48,18 +68,20 @@ def kernel_calls(fn, *args) -> int:
     return jax.jit(fn).lower(*args).compile().as_text().count('custom_call_target="specjax_')
 
 
-def test_only_float32_blocks_of_two_to_eight_rows_or_bfloat16_weights_stream():
+def test_the_weight_layout_must_suit_the_mode():
     w = jnp.ones((16, 24), jnp.float32)
-    streamed = lambda x: block_matmul.dense(x, w, "streamed")
-    assert kernel_calls(streamed, jnp.ones((1, 4, 16))) == 1  # batch 1, a block of 4
-    assert kernel_calls(streamed, jnp.ones((2, 4, 16))) == 1  # 8 rows
-    for x in (jnp.ones((1, 1, 16)), jnp.ones((3, 3, 16)), jnp.ones((2, 16), jnp.bfloat16)):  # 1 row, 9 rows, bf16
-        assert kernel_calls(streamed, x) == 0
+    packed = block_matmul.pack(w)
+    for rows in ((1, 1, 16), (1, 4, 16), (3, 3, 16), (64, 16)):  # one row, a block, several rows of a batch
+        assert kernel_calls(lambda x: block_matmul.dense(x, packed, "streamed"), jnp.ones(rows)) == 1
     assert kernel_calls(lambda x: block_matmul.dense(x, w, "xla"), jnp.ones((4, 16))) == 0
-    bf16 = w.astype(jnp.bfloat16)  # float32 rows times bfloat16 weights: 1..64 rows, 8 a pass
-    for rows, passes in ((1, 1), (8, 1), (13, 2), (64, 8), (65, 0)):
-        assert kernel_calls(lambda x: block_matmul.dense(x, bf16, "streamed"), jnp.ones((rows, 16))) == passes
-    assert kernel_calls(lambda x: block_matmul.dense(x, bf16, "streamed"), jnp.ones((4, 16), jnp.bfloat16)) == 0
+    with pytest.raises(ValueError, match="takes packed weights"):
+        block_matmul.dense(jnp.ones((4, 16)), w, "streamed")
+    with pytest.raises(ValueError, match="a packed weight is for block_matmul='streamed'"):
+        block_matmul.dense(jnp.ones((4, 16)), packed, "xla")
+    with pytest.raises(ValueError, match="float32 rows"):
+        block_matmul.dense(jnp.ones((4, 16), jnp.bfloat16), packed, "streamed")
+    with pytest.raises(ValueError, match="inner sizes differ"):
+        block_matmul.dense(jnp.ones((4, 15)), packed, "streamed")
     with pytest.raises(ValueError, match="block_matmul must be one of"):
         block_matmul.dense(jnp.ones((4, 16)), w, "fast")
 
@@ -73,13 +95,13 @@ def test_the_target_forward_streams_every_weight_matmul_and_agrees(tied):
     forward = lambda config, matmuls: lambda params: llama.forward(
         params, config, tokens, positions, None, causal_mask(4), matmuls=matmuls
     ).logits
-    untied_config, untied_params = llama.with_untied_head(config, params)  # what the engine streams
-    assert untied_params["lm_head"].shape == (config.hidden_size, config.vocab_size) and not untied_config.tie_word_embeddings
-    streamed = forward(untied_config, "streamed")
-    assert kernel_calls(streamed, untied_params) == 7 * config.num_layers + 1  # q k v o gate up down per layer, the head
-    np.testing.assert_allclose(streamed(untied_params), forward(config, "xla")(params), rtol=0, atol=1e-5)
-    if tied:  # the embedding's [V, H] rows are XLA's to read
-        assert kernel_calls(forward(config, "streamed"), params) == 7 * config.num_layers
+    streamed_config, streamed_params = llama.streamed(config, params)  # what the engine streams
+    assert streamed_params["lm_head"].shape == (config.hidden_size, config.vocab_size) and not streamed_config.tie_word_embeddings
+    assert streamed_params["embed_tokens"] is params["embed_tokens"]  # a lookup table, as it was
+    assert llama.streamed(streamed_config, streamed_params)[1]["lm_head"] is streamed_params["lm_head"]  # packed once
+    streamed = forward(streamed_config, "streamed")
+    assert kernel_calls(streamed, streamed_params) == 7 * config.num_layers + 1  # q k v o gate up down per layer, the head
+    np.testing.assert_allclose(streamed(streamed_params), forward(config, "xla")(params), rtol=0, atol=1e-5)
 
 
 @pytest.mark.parametrize("tied", [False, True])
@@ -102,9 +124,10 @@ def test_a_streamed_engine_runs_an_eagle3_head_in_bfloat16_through_the_kernel():
     drafter = AdaptiveDepth(NgramFirst(eagle3_drafter(config, params, depth=3)))  # eagle3+ngram:auto3
     engine = Engine(config, params, drafter, max_len=64, matmuls="streamed")
     head = engine.drafter_params["head"]
-    assert {w.dtype for w in head.values() if w.ndim == 2} == {jnp.dtype(jnp.bfloat16)}
-    assert {w.dtype for w in head.values() if w.ndim == 1} == {jnp.dtype(jnp.float32)}  # norms: the activations' dtype
-    np.testing.assert_array_equal(head["fc"], drafter.params["head"]["fc"].astype(jnp.bfloat16))
+    matrices = {name: w for name, w in head.items() if isinstance(w, block_matmul.Packed)}
+    assert {w.dtype for w in matrices.values()} == {jnp.dtype(jnp.bfloat16)} and "fc" in matrices and "lm_head" in matrices
+    assert {w.dtype for name, w in head.items() if name not in matrices} == {jnp.dtype(jnp.float32)}  # norms: the activations' dtype
+    np.testing.assert_array_equal(head["fc"].panels, block_matmul.pack(drafter.params["head"]["fc"].astype(jnp.bfloat16)).panels)
     assert drafter.params["head"]["fc"].dtype == jnp.float32  # the drafter passed in is left as it was
     assert {v.inner.matmuls for v in engine.drafter.variants} == {"streamed"}  # every depth's n-gram-first variant
     heads = engine.drafter.inner.inner

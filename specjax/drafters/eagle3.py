@@ -63,6 +63,8 @@ class Eagle3Drafter(FeatureDrafter):
         if mode == "streamed":
             head = {name: w.astype(jnp.bfloat16) if w.ndim == 2 else w for name, w in head.items()}
         block_matmul.check(mode, {name: w for name, w in head.items() if w.ndim == 2}, weight_dtype="bfloat16")
+        if mode == "streamed":
+            head = block_matmul.pack_matrices(head)
         variant = copy.copy(self)
         variant.matmuls, variant.params = mode, self.params_with_head(head)
         return variant

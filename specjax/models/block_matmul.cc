@@ -1,25 +1,24 @@
-// Matmuls of a few rows (1..8) that read each weight once, for XLA:CPU through the XLA FFI.
+// Matmuls of any number of rows that read each weight once, for XLA:CPU through the XLA FFI.
 //
 // A verification block of T tokens multiplies T rows by every weight matrix of the target. At one
 // row XLA emits a matrix-vector loop that streams each weight once; at 2..8 rows it calls a
 // library GEMM that takes about twice as long for the same weights (docs/architecture.md,
-// "Streamed block matmuls"). The kernels here read each weight once, in a few sequential
-// streams, with the rows' sums in registers. Built by specjax/models/block_matmul.py with the host's g++.
+// "Streamed block matmuls"). Here each weight is packed in panels of 32 columns, each panel one
+// sequential stream, the rows' sums in registers for the whole panel: a block of rows costs about
+// what one row does. Built by specjax/models/block_matmul.py with the host's g++.
 //
-//   Rows:       out[M, N] = x[M, K] @ w[K, N]     float32, M = 2..8 (projections; the LM head, a tied
-//                                                  one as its own [H, V] copy)
-//   RowsBf16:   out[M, N] = x[M, K] @ w[K, N]     float32 rows, bfloat16 weights widened exactly as they
-//                                                  stream, float32 sums, M = 1..8 (a draft head's weights
-//                                                  as trained: half the bytes of float32)
+//   Panels:      out[M, N] = x[M, K] @ w[K, N]   float32 rows and weights (the target's projections
+//                                                 and LM head, a tied one as its own copy)
+//   PanelsBf16:  out[M, N] = x[M, K] @ w[K, N]   float32 rows, bfloat16 weights widened exactly as they
+//                                                 stream, float32 sums (a draft head's weights as trained)
+//   w arrives packed: panels [ceil(N / 32), K, 32].
 
 #include <algorithm>
 #include <atomic>
 #include <cstdint>
 #include <cstring>
 #include <memory>
-#include <string>
 #include <thread>
-#include <vector>
 
 #include "xla/ffi/api/ffi.h"
 
@@ -44,75 +43,72 @@ inline v8 load8(const uint16_t* p) {
   std::memcpy(&v, &wide, sizeof v);
   return v;
 }
-inline float widen(float w) { return w; }
-inline float widen(uint16_t w) {
-  const uint32_t bits = uint32_t{w} << 16;
-  float f;
-  std::memcpy(&f, &bits, sizeof f);
-  return f;
-}
 
-// out[M, n:n + 8T] += x[M, k0:k1] @ w[k0:k1, n:n + 8T]: M x T vectors of sums in registers while
-// the chunk's weight rows stream past, then one load and store of `out` per vector.
+// A weight w [K, N] is packed as panels [P, K, 32] (`block_matmul.pack`: P = ceil(N / 32), zero
+// columns past N): panel p holds columns 32p..32p + 31, each of its K rows 32 contiguous weights,
+// so a panel is one sequential stream and the sums of its columns stay in registers for all of K.
+constexpr int64_t kPanel = 32;
+#ifdef __AVX512F__
+constexpr int kGroup = 8, kVectors = 4;  // rows a pass, vectors of sums per row: 32 of AVX-512's 32 registers
+#else
+constexpr int kGroup = 4, kVectors = 2;  // 8 of AVX2's 16 registers (a panel in two passes, the second from cache)
+#endif
+
+// out[M, c:c + 8T] = x[M, K] @ panel[K, o:o + 8T] with c = column of the panel's first weight + o;
+// columns at or past N are not stored. Each sum adds k = 0..K-1 in order, whatever M: a row's
+// result is the same bits alone or in a block.
 template <int M, int T, typename W>
-inline void tile(const float* x, const W* w, float* out, int64_t K, int64_t N, int64_t n, int64_t k0, int64_t k1) {
+inline void panel_pass(const float* x, const W* panel, float* out, int64_t K, int64_t N, int64_t column, int o) {
   v8 acc[M][T] = {};
-  for (int64_t k = k0; k < k1; ++k) {
+  for (int64_t k = 0; k < K; ++k) {
     v8 row[T];
-    for (int t = 0; t < T; ++t) row[t] = load8(w + k * N + n + 8 * t);
+    for (int t = 0; t < T; ++t) row[t] = load8(panel + k * kPanel + o + 8 * t);
     for (int m = 0; m < M; ++m) {
       const v8 s = splat8(x[m * K + k]);
       for (int t = 0; t < T; ++t) acc[m][t] += row[t] * s;
     }
   }
   for (int m = 0; m < M; ++m)
-    for (int t = 0; t < T; ++t) store8(out + m * N + n + 8 * t, load8(out + m * N + n + 8 * t) + acc[m][t]);
+    for (int t = 0; t < T; ++t) {
+      const int64_t first = column + o + 8 * t;
+      if (first + 8 <= N) {
+        store8(out + m * N + first, acc[m][t]);
+      } else {
+        for (int64_t lane = 0; first + lane < N; ++lane) out[m * N + first + lane] = acc[m][t][lane];
+      }
+    }
 }
 
-// out[M, N] = x[M, k_begin:k_end] @ w[k_begin:k_end, N]: the weight rows in chunks (8 or more), each
-// chunk (contiguous in memory) read as that many sequential streams by register tiles of 8T columns
-// (M x T vectors of sums), then single vectors, then the last columns one by one.
+// out[:, 32p:32p + 32] for panels p in [p_begin, p_end): kGroup rows a pass over a panel (the
+// first pass streams it from memory, the others read it from cache), kVectors vectors of sums.
 template <int M, typename W>
-void rows(const float* x, const W* w, float* out, int64_t K, int64_t N, int64_t k_begin, int64_t k_end) {
-  const int64_t chunk = std::clamp<int64_t>(8192 / N, 8, 64);  // narrow weights: more rows per chunk, fewer stores of sums
-  constexpr int T = M <= 3 ? 4 : std::max(1, 12 / M);  // about 12 of AVX2's 16 registers hold sums
-  const int64_t tiles_end = N / (8 * T) * (8 * T), vectors_end = N / 8 * 8;
-  std::memset(out, 0, sizeof(float) * M * N);
-  for (int64_t k0 = k_begin; k0 < k_end; k0 += chunk) {
-    const int64_t k1 = std::min(k_end, k0 + chunk);
-    int64_t n = 0;
-    for (; n < tiles_end; n += 8 * T) tile<M, T>(x, w, out, K, N, n, k0, k1);
-    for (; n < vectors_end; n += 8) tile<M, 1>(x, w, out, K, N, n, k0, k1);
-    for (; n < N; ++n)
-      for (int64_t k = k0; k < k1; ++k)
-        for (int m = 0; m < M; ++m) out[m * N + n] += x[m * K + k] * widen(w[k * N + n]);
-  }
+void group_panels(const float* x, const W* panels, float* out, int64_t K, int64_t N, int64_t p_begin, int64_t p_end) {
+  for (int64_t p = p_begin; p < p_end; ++p)
+    for (int o = 0; o < kPanel; o += 8 * kVectors) panel_pass<M, kVectors>(x, panels + p * K * kPanel, out, K, N, p * kPanel, o);
 }
 
-// How many parts of whole 8-lane groups to split [0, extent) into: one per thread of XLA's pool,
-// fewer where the weights are too few to be worth waking a thread for.
-int64_t num_parts(ffi::ThreadPool& pool, int64_t extent, int64_t weights) {
-  constexpr int64_t kMinWeightsPerPart = 1 << 15;  // below 128 KB of weights, waking a thread costs more than it saves
+// How many parts to split P panels into: one per thread of XLA's pool, fewer where the weights
+// are too few to be worth waking a thread for.
+int64_t num_parts(ffi::ThreadPool& pool, int64_t panels, int64_t weights) {
+  constexpr int64_t kMinWeightsPerPart = 1 << 15;  // below 32k weights, waking a thread costs more than it saves
   const int64_t threads = std::max<int64_t>(1, pool.num_threads());
-  const int64_t most = std::max<int64_t>(1, std::min(threads, extent / 8));
-  return std::clamp<int64_t>(weights / kMinWeightsPerPart, 1, most);
+  return std::clamp<int64_t>(weights / kMinWeightsPerPart, 1, std::min(threads, panels));
 }
 
-// Splits [0, extent) into `parts` (from num_parts) and runs `part(index, begin, end)` on each: one
-// in the calling thread, the others as tasks of XLA's own thread pool. Whoever is free takes the
-// next part, so a pool that runs nothing (or runs tasks in the caller) still finishes; the caller
-// waits only for parts already taken. State lives on the heap: a task may start after the call returned.
+// Splits [0, extent) into `parts` (from num_parts) and runs `part(begin, end)` on each: one in the
+// calling thread, the others as tasks of XLA's own thread pool. Whoever is free takes the next
+// part, so a pool that runs nothing (or runs tasks in the caller) still finishes; the caller waits
+// only for parts already taken. State lives on the heap: a task may start after the call returned.
 template <typename Part>
 void in_parts(ffi::ThreadPool& pool, int64_t extent, int64_t parts, Part part) {
-  if (parts == 1) return part(0, 0, extent);
+  if (parts == 1) return part(0, extent);
   struct Shared {
     std::atomic<int64_t> next{0}, done{0};
   };
   auto shared = std::make_shared<Shared>();
-  const int64_t groups = extent / 8;  // >= parts: every part gets at least one group
-  auto work = [shared, part, parts, groups, extent] {
+  auto work = [shared, part, parts, extent] {
     for (int64_t i; (i = shared->next.fetch_add(1)) < parts;) {
-      part(i, groups * i / parts * 8, i + 1 == parts ? extent : groups * (i + 1) / parts * 8);  // the last part takes the tail
+      part(extent * i / parts, extent * (i + 1) / parts);
       shared->done.fetch_add(1, std::memory_order_release);
     }
   };
@@ -121,62 +117,57 @@ void in_parts(ffi::ThreadPool& pool, int64_t extent, int64_t parts, Part part) {
   while (shared->done.load(std::memory_order_acquire) < parts) std::this_thread::yield();
 }
 
-#define SPECJAX_FOR_ROWS(KERNEL, ...)                                                   \
-  switch (num_rows) {                                                                   \
-    case 1: KERNEL<1>(__VA_ARGS__); break;                                              \
-    case 2: KERNEL<2>(__VA_ARGS__); break;                                              \
-    case 3: KERNEL<3>(__VA_ARGS__); break;                                              \
-    case 4: KERNEL<4>(__VA_ARGS__); break;                                              \
-    case 5: KERNEL<5>(__VA_ARGS__); break;                                              \
-    case 6: KERNEL<6>(__VA_ARGS__); break;                                              \
-    case 7: KERNEL<7>(__VA_ARGS__); break;                                              \
-    case 8: KERNEL<8>(__VA_ARGS__); break;                                              \
-  }
-
-// out[M, N] = x @ w for weights of type W: parts split the weight rows, each streaming one
-// contiguous slab into its own sums (part 0 into `out`, the others into scratch), added up once all are done.
+// out[M, N] = x[M, K] @ w for packed weights of type W: parts split the panels (disjoint columns of
+// `out`), each taking its panels kGroup rows of x at a time.
 template <typename W>
-void rows_in_parts(ffi::ThreadPool& pool, const float* xp, const W* wp, float* op, int64_t num_rows, int64_t K, int64_t N) {
-  const int64_t size = num_rows * N, parts = num_parts(pool, K, K * N);
-  auto scratch = std::make_shared<std::vector<float>>((parts - 1) * size);
-  in_parts(pool, K, parts, [=](int64_t i, int64_t begin, int64_t end) {
-    float* sums = i == 0 ? op : scratch->data() + (i - 1) * size;
-    SPECJAX_FOR_ROWS(rows, xp, wp, sums, K, N, begin, end)
+void panels_in_parts(ffi::ThreadPool& pool, const float* x, const W* panels, float* out, int64_t M, int64_t K, int64_t N) {
+  const int64_t P = (N + kPanel - 1) / kPanel;
+  in_parts(pool, P, num_parts(pool, P, K * N), [=](int64_t begin, int64_t end) {
+    for (int64_t m = 0; m < M; m += kGroup) {
+      const float* rows = x + m * K;
+      float* sums = out + m * N;
+      switch (std::min<int64_t>(kGroup, M - m)) {
+        case 1: group_panels<1>(rows, panels, sums, K, N, begin, end); break;
+        case 2: group_panels<2>(rows, panels, sums, K, N, begin, end); break;
+        case 3: group_panels<3>(rows, panels, sums, K, N, begin, end); break;
+        case 4: group_panels<4>(rows, panels, sums, K, N, begin, end); break;
+        case 5: group_panels<5>(rows, panels, sums, K, N, begin, end); break;
+        case 6: group_panels<6>(rows, panels, sums, K, N, begin, end); break;
+        case 7: group_panels<7>(rows, panels, sums, K, N, begin, end); break;
+        case 8: group_panels<8>(rows, panels, sums, K, N, begin, end); break;
+      }
+    }
   });
-  for (int64_t i = 1; i < parts; ++i)
-    for (int64_t j = 0; j < size; ++j) op[j] += (*scratch)[(i - 1) * size + j];
 }
-
-// The handlers' body: x [M, K] @ w [K, N] -> out [M, N] for M in min_rows..8.
+// The handlers' body: x [M, K] @ panels [P, K, 32] -> out [M, N], N <= 32 P (the result's width).
 template <ffi::DataType WeightType>
-ffi::Error checked_rows(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32>& x, ffi::Buffer<WeightType>& w, ffi::ResultBuffer<ffi::F32>& out,
-                        int64_t min_rows) {
-  const int64_t num_rows = x.dimensions()[0], K = x.dimensions()[1], N = w.dimensions()[1];
-  if (num_rows < min_rows || num_rows > 8)
-    return ffi::Error::InvalidArgument("these streamed matmuls take " + std::to_string(min_rows) + "..8 rows");
-  if (w.dimensions()[0] != K) return ffi::Error::InvalidArgument("x [M, K] @ w [K, N]: K differs");
-  rows_in_parts(pool, x.typed_data(), w.typed_data(), out->typed_data(), num_rows, K, N);
+ffi::Error checked_panels(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32>& x, ffi::Buffer<WeightType>& panels, ffi::ResultBuffer<ffi::F32>& out) {
+  const int64_t M = x.dimensions()[0], K = x.dimensions()[1], N = out->dimensions()[1];
+  const auto shape = panels.dimensions();
+  if (shape.size() != 3 || shape[1] != K || shape[2] != kPanel || shape[0] != (N + kPanel - 1) / kPanel)
+    return ffi::Error::InvalidArgument("x [M, K] @ panels [ceil(N / 32), K, 32] -> out [M, N]: the shapes disagree");
+  panels_in_parts(pool, x.typed_data(), panels.typed_data(), out->typed_data(), M, K, N);
   return ffi::Error::Success();
 }
 
-ffi::Error RowsImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w, ffi::ResultBuffer<ffi::F32> out) {
-  return checked_rows(pool, x, w, out, 2);  // one row: XLA's matrix-vector loop is as fast
+ffi::Error PanelsImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w, ffi::ResultBuffer<ffi::F32> out) {
+  return checked_panels(pool, x, w, out);
 }
 
-ffi::Error RowsBf16Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::BF16> w, ffi::ResultBuffer<ffi::F32> out) {
-  return checked_rows(pool, x, w, out, 1);
+ffi::Error PanelsBf16Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::BF16> w, ffi::ResultBuffer<ffi::F32> out) {
+  return checked_panels(pool, x, w, out);
 }
 
 }  // namespace
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(SpecjaxRows, RowsImpl,
+XLA_FFI_DEFINE_HANDLER_SYMBOL(SpecjaxPanels, PanelsImpl,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>());
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(SpecjaxRowsBf16, RowsBf16Impl,
+XLA_FFI_DEFINE_HANDLER_SYMBOL(SpecjaxPanelsBf16, PanelsBf16Impl,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()

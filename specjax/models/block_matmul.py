@@ -1,22 +1,23 @@
-"""Streamed block matmuls: weight matmuls of a few rows on XLA:CPU, each weight read once.
+"""Streamed block matmuls: weight matmuls of any number of rows on XLA:CPU, each weight read once.
 
 A verification block of T tokens (batch 1) multiplies T rows by every weight of the target. At
 one row XLA:CPU streams each weight once; at 2..8 rows it calls a library GEMM that takes about
 twice as long, which is most of what a speculative step costs over a plain one on a CPU
-(docs/architecture.md, "Streamed block matmuls"). `block_matmul.cc` holds a kernel that walks
-an [K, N] weight in memory order once, whatever the number of rows (a tied LM head streams as its
-own [H, V] copy, `llama.with_untied_head`, which the engine makes in this mode); it is built on
-first use with the host's C++ compiler (`$CXX`, default g++, `-march=native`) into a cache
-directory (`specjax.host_cache`: `$SPECJAX_CACHE`, default `~/.cache/specjax`) and called through
-the XLA FFI.
+(docs/architecture.md, "Streamed block matmuls"). `block_matmul.cc` holds a kernel that reads a
+weight packed in panels of 32 columns (`pack`: [K, N] -> [ceil(N / 32), K, 32]), each panel one
+sequential stream with the rows' sums in registers, so a block costs about what one row does. It
+is built on first use with the host's C++ compiler (`$CXX`, default g++, `-march=native`) into a
+cache directory (`specjax.host_cache`: `$SPECJAX_CACHE`, default `~/.cache/specjax`) and called
+through the XLA FFI.
 
 Modes (static under jit):
-    "xla"       every matmul is XLA's own (the default).
-    "streamed"  float32 matmuls of 2..8 rows go to the kernels; 1 row (XLA's matrix-vector loop
-                is as fast) and more than 8 rows (the GEMM wins there) stay XLA's. Float32 rows
-                times bfloat16 weights (a draft head's, `drafters.eagle3`) go to a kernel that
-                widens each weight as it streams (XLA:CPU's own dot of bfloat16 weights is slower
-                than float32's), 8 rows a pass up to 64 rows; more promote the weights (x @ w).
+    "xla"       every matmul is XLA's own, of [K, N] weights (the default).
+    "streamed"  every matmul is the kernel's, of `Packed` weights (the engine packs the target's,
+                `llama.streamed`, and a draft head's, `drafters.eagle3`) and float32 rows: float32
+                weights, or bfloat16 ones widened exactly as they stream (a draft head's as trained;
+                XLA:CPU's own dot of bfloat16 weights is slower than float32's). Each sum adds the
+                K products in order, whatever the number of rows: a row's result is the same bits
+                alone or in a block.
 """
 
 from __future__ import annotations
@@ -32,15 +33,48 @@ from pathlib import Path
 
 import jax
 import jax.numpy as jnp
+from flax import struct
 
 from specjax import host_cache
 
 MODES = ("xla", "streamed")
-MAX_ROWS = 8  # rows of one kernel pass
-MAX_BF16_ROWS = 64  # rows of bfloat16-weight matmuls streamed in passes of MAX_ROWS
-KERNELS = {jnp.dtype(jnp.float32): "SpecjaxRows", jnp.dtype(jnp.bfloat16): "SpecjaxRowsBf16"}  # weight dtype -> handler in block_matmul.cc
+PANEL = 32  # columns of a packed panel (kPanel in block_matmul.cc)
+KERNELS = {jnp.dtype(jnp.float32): "SpecjaxPanels", jnp.dtype(jnp.bfloat16): "SpecjaxPanelsBf16"}  # weight dtype -> handler in block_matmul.cc
 SOURCE = Path(__file__).with_suffix(".cc")
 FLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-pthread")
+
+
+@struct.dataclass
+class Packed:
+    """A weight w [K, N] as the kernels read it: panels [ceil(N / 32), K, 32], panel p holding
+    columns 32p..32p + 31 row after row, zero past N (`pack`)."""
+
+    panels: jax.Array  # [P, K, 32]
+    columns: int = struct.field(pytree_node=False)  # N
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.panels.shape[1], self.columns
+
+    @property
+    def dtype(self):
+        return self.panels.dtype
+
+
+def pack(w: jax.Array) -> Packed:
+    """w [K, N] -> `Packed` (a new buffer of the same dtype, padded to whole panels)."""
+    if w.ndim != 2:
+        raise ValueError(f"pack takes a matrix [K, N]; got shape {w.shape}")
+    rows, columns = w.shape
+    panels = -(-columns // PANEL)
+    padded = jnp.pad(w, ((0, 0), (0, panels * PANEL - columns)))  # [K, P * 32]
+    return Packed(padded.reshape(rows, panels, PANEL).transpose(1, 0, 2), columns)
+
+
+def pack_matrices(tree):
+    """`tree` with every matrix (2-d array leaf) packed; vectors and `Packed` leaves as they are."""
+    return jax.tree.map(lambda leaf: pack(leaf) if getattr(leaf, "ndim", 0) == 2 else leaf, tree,
+                        is_leaf=lambda leaf: isinstance(leaf, Packed))
 
 
 def check(mode: str, params, weight_dtype: str = "float32") -> None:
@@ -60,14 +94,15 @@ def check(mode: str, params, weight_dtype: str = "float32") -> None:
     _register()
 
 
-def dense(x: jax.Array, w: jax.Array, mode: str) -> jax.Array:
-    """x [..., K] @ w [K, N] -> [..., N] (float32 for float32 x, whatever w's dtype)."""
+def dense(x: jax.Array, w: jax.Array | Packed, mode: str) -> jax.Array:
+    """x [..., K] @ w [K, N] -> [..., N]: XLA's dot of an array under "xla", the kernel's of a
+    `Packed` weight and float32 rows under "streamed" (float32 whatever w's dtype)."""
     if not _streams(mode, x, w):
         return x @ w
     return _call(x, w)
 
 
-def head(x: jax.Array, lm_head: jax.Array, mode: str) -> jax.Array:
+def head(x: jax.Array, lm_head: jax.Array | Packed, mode: str) -> jax.Array:
     """x [..., H] @ lm_head [H, V] -> float32 logits [..., V]."""
     if not _streams(mode, x, lm_head):
         return jnp.einsum("...h,hv->...v", x, lm_head, preferred_element_type=jnp.float32)
@@ -79,27 +114,30 @@ def _check_mode(mode: str) -> None:
         raise ValueError(f"block_matmul must be one of {MODES}, got {mode!r}")
 
 
-def _streams(mode: str, x: jax.Array, w: jax.Array) -> bool:
-    """Whether this matmul goes to a kernel: mode "streamed", float32 rows, and 2..MAX_ROWS of
-    them times float32 weights or 1..MAX_BF16_ROWS times bfloat16 weights."""
+def _streams(mode: str, x: jax.Array, w: jax.Array | Packed) -> bool:
+    """Whether this matmul goes to the kernel (mode "streamed"); a ValueError where the weight's
+    layout or the rows' dtype does not suit the mode."""
     _check_mode(mode)
-    if mode != "streamed" or x.dtype != jnp.float32 or w.dtype not in KERNELS:
+    packed = isinstance(w, Packed)
+    if mode == "xla":
+        if packed:
+            raise ValueError("a packed weight is for block_matmul='streamed'; XLA's matmuls take the [K, N] array")
         return False
-    rows = math.prod(x.shape[:-1])
-    return 1 <= rows <= MAX_BF16_ROWS if w.dtype == jnp.bfloat16 else 2 <= rows <= MAX_ROWS
+    if not packed:
+        raise ValueError(f"block_matmul='streamed' takes packed weights (block_matmul.pack); got an array of shape {w.shape}")
+    if x.dtype != jnp.float32 or w.dtype not in KERNELS:
+        raise ValueError(f"block_matmul='streamed' takes float32 rows and float32 or bfloat16 weights; got {x.dtype} rows, {w.dtype} weights")
+    return True
 
 
-def _call(x: jax.Array, w: jax.Array) -> jax.Array:
-    """x [..., K] as [M, K] rows through the kernel for w's dtype, MAX_ROWS a pass -> x @ w [..., N] float32."""
+def _call(x: jax.Array, w: Packed) -> jax.Array:
+    """x [..., K] as [M, K] rows through the kernel for w's dtype -> x @ w [..., N] float32."""
     rows = x.reshape(-1, x.shape[-1])  # [M, K]
-    kernel = _register()[w.dtype.name]
-    passes = []
-    for first in range(0, rows.shape[0], MAX_ROWS):
-        part = rows[first : first + MAX_ROWS]  # [<= MAX_ROWS, K]
-        result = jax.ShapeDtypeStruct((part.shape[0], w.shape[1]), jnp.float32)
-        passes.append(jax.ffi.ffi_call(kernel, result, vmap_method="sequential")(part, w))  # [<= MAX_ROWS, N]
-    out = passes[0] if len(passes) == 1 else jnp.concatenate(passes)  # [M, N]
-    return out.reshape(*x.shape[:-1], w.shape[1])
+    if rows.shape[1] != w.shape[0]:
+        raise ValueError(f"x [..., {rows.shape[1]}] @ w {w.shape}: the inner sizes differ")
+    result = jax.ShapeDtypeStruct((rows.shape[0], w.columns), jnp.float32)
+    out = jax.ffi.ffi_call(_register()[w.dtype.name], result, vmap_method="sequential")(rows, w.panels)  # [M, N]
+    return out.reshape(*x.shape[:-1], w.columns)
 
 
 @functools.cache

@@ -168,10 +168,19 @@ def with_untied_head(config: ModelConfig, params: Params) -> tuple[ModelConfig, 
     return dataclasses.replace(config, tie_word_embeddings=False), {**params, "lm_head": head}
 
 
+def streamed(config: ModelConfig, params: Params) -> tuple[ModelConfig, Params]:
+    """The model as `matmuls="streamed"` runs it: the head untied (`with_untied_head`) and every
+    matrix of the layers and the head packed for the kernel (`block_matmul.pack`: the same bytes,
+    in panels); the embedding stays a lookup table. Packed params come back as they are."""
+    config, params = with_untied_head(config, params)
+    packed = {name: block_matmul.pack_matrices(params[name]) for name in ("layers", "lm_head")}
+    return config, {**params, **packed}
+
+
 def project_logits(params: Params, config: ModelConfig, normed: jax.Array, matmuls: str = "xla") -> jax.Array:
     """Output projection alone: final-normed hidden [B, T, H] -> float32 logits [B, T, V].
     matmuls: a `block_matmul` mode."""
-    if config.tie_word_embeddings:  # XLA's; a streamed engine unties the head (`with_untied_head`)
+    if config.tie_word_embeddings:  # XLA's; a streamed engine unties the head (`streamed`)
         return jnp.einsum("...h,vh->...v", normed, params["embed_tokens"], preferred_element_type=jnp.float32)
     return block_matmul.head(normed, params["lm_head"], matmuls)
 
