@@ -91,8 +91,8 @@ def add_model_args(parser: argparse.ArgumentParser, matmuls: str | None = None) 
                        help="where compiled programs are kept between runs, so a command run again with the same "
                        "model, method and shapes loads them instead of compiling (default: the xla folder of "
                        "$SPECJAX_CACHE, else ~/.cache/specjax; off: compile afresh)")
-    matmul_help = ("how the target's weight matmuls run: xla, or streamed (XLA:CPU, float32: blocks of 2..8 rows "
-                   "through kernels that read each weight once, built with g++ on first use; docs/architecture.md)")
+    matmul_help = ("how the target's weight matmuls run: xla, or streamed (XLA:CPU, float32: every matmul through a "
+                   "kernel that reads each packed weight once for all rows, built with g++ on first use; docs/architecture.md)")
     if matmuls == "several":
         model.add_argument("--matmuls", type=matmul_modes, default=["xla"], help=matmul_help + "; a comma-separated "
                            "list runs every method in each mode, the first one the baseline")

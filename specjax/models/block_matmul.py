@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import math
 import os
 import platform
 import shutil

@@ -247,7 +247,7 @@ def forward(
     block_mask[..., t, u]. `cache=None` means an empty prefix (training, no-cache scoring).
     taps: the hidden states returned as `features` (see Taps). chunk_size: the most cache slots
     attended per step of the prefix loop (the widest chunk up to it that divides the buffer). matmuls: a
-    `block_matmul` mode ("streamed": blocks of 2..8 rows through its kernels).
+    `block_matmul` mode ("streamed": every matmul through its kernel, the params as `streamed` packs them).
     Under jit, config, taps, chunk_size and matmuls are static.
     """
     feature_layers = taps.layer_inputs
