@@ -36,7 +36,6 @@ from infer import prompts as prompt_sets
 from specjax import theory
 from specjax.drafters.registry import MethodSpec
 from specjax.engine import Engine, Stats, acceptance_by_position, tokens_per_call
-from specjax.models import llama
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -316,8 +315,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     token_ids = prompt_sets.token_ids(tokenizer, args.prompts, args.num_prompts)
     categories = prompt_sets.categories(args.prompts)
     plan = engine_plan(args)
-    # The target as each mode's engines hold it, made once for all of them (packing copies every matrix).
-    targets = {mode: llama.streamed(config, params) if mode == "streamed" else (config, params) for mode in args.matmuls}
+    targets = common.engine_targets(config, params, args.matmuls)
     engines = {
         label: Engine(*targets[matmuls], common.build_drafter(spec, args, config, params, draft),
                       max_len=args.max_len, eos_ids=tokenizer.eos_token_ids, matmuls=matmuls)

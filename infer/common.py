@@ -22,7 +22,7 @@ from specjax.drafters.base import TREE
 from specjax.drafters.lookahead import SHAPE as LOOKAHEAD
 from specjax.drafters.registry import METHODS, MethodSpec, parse_shape
 from specjax.engine import Stats
-from specjax.models import block_matmul
+from specjax.models import block_matmul, llama
 from specjax.models.config import ModelConfig
 from specjax.sampling import SamplingParams
 from specjax.tokenizer import Tokenizer
@@ -197,6 +197,12 @@ def load_target(args: argparse.Namespace) -> tuple[ModelConfig, dict, Tokenizer]
     if args.max_len > config.max_position_embeddings:
         raise ValueError(f"--max-len {args.max_len} exceeds the model's {config.max_position_embeddings} positions")
     return config, params, tokenizer_lib.load(path)
+
+
+def engine_targets(config: ModelConfig, params, modes) -> dict[str, tuple[ModelConfig, dict]]:
+    """{mode: (config, params)} as an engine in each --matmuls mode holds the target, made once so that
+    every engine of a mode shares it (a streamed engine would otherwise pack its own copy of every matrix)."""
+    return {mode: llama.streamed(config, params) if mode == "streamed" else (config, params) for mode in modes}
 
 
 def build_drafter(spec: MethodSpec, args: argparse.Namespace, config: ModelConfig, params, draft: str | None = None) -> Drafter:

@@ -261,12 +261,13 @@ def main(argv: list[str] | None = None) -> list[dict]:
     # The longest last prompt: every user turn and, before each later one, a reply of up to --max-tokens.
     need = max(len(tokenizer.encode(tokenizer.render_chat([{"role": "user", "content": "\n".join(c)}])))
                for c in conversations) + 8 * args.turns + args.turns * args.max_tokens
+    target = common.engine_targets(config, params, [args.matmuls])[args.matmuls]
     for spec in args.method_specs:
         drafter = common.build_drafter(spec, args, config, params)
         if need + drafter.num_nodes > args.max_len:
             raise ValueError(f"--max-len {args.max_len} is too small: the longest conversation and --max-tokens need "
                              f"{need + drafter.num_nodes}")
-        engine = Engine(config, params, drafter, max_len=args.max_len, eos_ids=tokenizer.eos_token_ids, matmuls=args.matmuls)
+        engine = Engine(*target, drafter, max_len=args.max_len, eos_ids=tokenizer.eos_token_ids, matmuls=args.matmuls)
         for concurrency in args.concurrency:
             slots = args.max_batch or concurrency
             for schedule in args.schedule_list:

@@ -195,8 +195,9 @@ def measure(args, ranked: list[Candidate]) -> list[tuple[MethodSpec, float]]:
     cycled = [texts[i % len(texts)] for i in range(max(args.batch_size, len(texts)))]
     token_ids = [tokenizer.encode(tokenizer.chat_prompt(t)) for t in cycled]
     batches = [token_ids[i : i + args.batch_size] for i in range(0, len(token_ids) - args.batch_size + 1, args.batch_size)]
+    target = common.engine_targets(config, params, [args.matmuls])[args.matmuls]
     engines = {
-        spec: Engine(config, params, common.build_drafter(spec, args, config, params),
+        spec: Engine(*target, common.build_drafter(spec, args, config, params),
                      max_len=args.max_len, eos_ids=tokenizer.eos_token_ids, matmuls=args.matmuls)
         for spec in sweep_specs(args, ranked)
     }

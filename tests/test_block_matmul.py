@@ -163,3 +163,16 @@ def test_a_missing_compiler_or_a_failed_build_is_named(tmp_path, monkeypatch):
     with pytest.raises(RuntimeError, match="building block_matmul.cc failed"):
         block_matmul.build()
     assert [p.name for p in tmp_path.iterdir()] == ["block_matmul.cc"]  # nothing half-built left behind
+
+
+def test_the_commands_make_each_modes_target_once_for_all_their_engines():
+    from infer import common
+
+    config = dataclasses.replace(tiny_config(num_layers=2), tie_word_embeddings=True)
+    params = llama.init_params(config, jax.random.key(0))
+    targets = common.engine_targets(config, params, ["xla", "streamed"])
+    assert targets["xla"] == (config, params)  # XLA's engines take the params as loaded
+    streamed_config, streamed_params = targets["streamed"]
+    assert isinstance(streamed_params["lm_head"], block_matmul.Packed) and not streamed_config.tie_word_embeddings
+    engines = [Engine(*targets["streamed"], max_len=64, matmuls="streamed") for _ in range(2)]
+    assert all(engine.params["lm_head"] is streamed_params["lm_head"] for engine in engines)  # shared, not packed again
